@@ -1,0 +1,947 @@
+#!/usr/bin/env python3
+"""Tiny Hugging Face checkpoints with reference logits for kestrel's tests.
+
+Every fixture is a small random model written in the on-disk layout of the
+matching hub checkpoints (per-expert MoE tensors, ModelOpt / compressed-tensors
+NVFP4, sharded safetensors with an index, ...) together with the float32
+logits that transformers computes for a short random prompt.
+
+    python3 scripts/make_fixtures.py                      # all fixtures -> tests/fixtures/NAME/
+    python3 scripts/make_fixtures.py --only llama-bf16    # a subset
+    python3 scripts/make_fixtures.py --seed-offset 7 --out /tmp/unseen
+    python3 scripts/make_fixtures.py --preset speed100m --out out/speed   # -> out/speed/speed100m/
+    python3 scripts/make_fixtures.py --list
+
+Files per fixture folder:
+    config.json, generation_config.json, model.safetensors (or shards plus
+    model.safetensors.index.json), hf_quant_config.json (some NVFP4 ones),
+    reference.json and reference_logits.f32 (float32 LE, row-major [T, vocab]).
+
+The reference is one forward pass of the prompt through the transformers model
+in float32 (eval, eager attention) holding exactly the values stored on disk:
+bf16-rounded tensors, and for NVFP4 the dequantized weights (weight-only, the
+activations are not quantized).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import fnmatch
+import json
+import math
+import re
+import shutil
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from safetensors.torch import save_file
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPT_LEN = 10
+LOGIT_STD = 3.0  # target std of the logits (lm_head scale)
+ROUTER_STD = 1.5  # target std of the router logits
+MIN_ROUTE_GAP = 2e-3  # smallest allowed gap at every top-k / top-group cut
+SIZE_BUDGET = 4 * 1024 * 1024
+
+FP4_MAX = 6.0
+FP8_MAX = 448.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+CONFIG_CLASSES = {
+    "llama": transformers.LlamaConfig,
+    "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
+    "mixtral": transformers.MixtralConfig,
+    "qwen3_moe": transformers.Qwen3MoeConfig,
+    "glm4_moe": transformers.Glm4MoeConfig,
+}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+}
+MOE_FAMILIES = {"mixtral", "qwen3_moe", "glm4_moe"}
+
+
+# --------------------------------------------------------------------------------------
+# Fixture table
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class Spec:
+    name: str
+    family: str
+    fmt: str  # "bf16" | "nvfp4-modelopt" | "nvfp4-compressed-tensors"
+    seed: int
+    config: dict
+    generation: dict
+    notes: str
+    shards: int = 1
+    fused_experts: bool = False  # experts as transformers-5 fused tensors instead of per expert
+    legacy_config: bool = False  # hub style of transformers 4.x: torch_dtype, top-level rope_theta
+    quant_location: str = "config"  # modelopt: "config" | "hf_quant_config" | "both"
+    exclude: list = field(default_factory=list)  # modelopt exclude_modules / compressed-tensors ignore
+    straddle: bool = False  # put one quantized module's tensors into two different shards
+
+
+def _base(**kw):
+    cfg = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    cfg.update(kw)
+    return {k: v for k, v in cfg.items() if v is not None}  # None: leave the key out
+
+
+def _rope(theta, **extra):
+    d = {"rope_type": "default", "rope_theta": float(theta)}
+    d.update(extra)
+    return d
+
+
+FIXTURES = [
+    Spec(
+        "llama-bf16", "llama", "bf16", 101,
+        _base(rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+              rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 64}),
+        {"bos_token_id": 1, "eos_token_id": [2, 3]},
+        "Llama, tied embeddings (no lm_head tensor), llama3 rope scaling "
+        "(factor 8, low 1, high 4, original_max_position_embeddings 64: head_dim 16 has "
+        "high, medium and low frequency bands), GQA 4/2, BF16 single file.",
+    ),
+    Spec(
+        "llama-nvfp4", "llama", "nvfp4-modelopt", 102,
+        _base(rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, rope_parameters=_rope(500000.0)),
+        {"bos_token_id": 1, "eos_token_id": 2},
+        "Llama untied, ModelOpt NVFP4 on every linear of the decoder layers, quantization_config in "
+        "config.json, exclude_modules [lm_head] (lm_head/embeddings/norms BF16), default rope.",
+        exclude=["lm_head"],
+    ),
+    Spec(
+        "qwen2-bf16", "qwen2", "bf16", 103,
+        _base(head_dim=None, bos_token_id=250, eos_token_id=251, rope_parameters=_rope(1000000.0)),
+        {"bos_token_id": 250, "eos_token_id": 251},
+        "Qwen2: q/k/v biases (o_proj has none). config.json in the older hub style: torch_dtype and "
+        "top-level rope_theta, rope_scaling null, no rope_parameters.",
+        legacy_config=True,
+    ),
+    Spec(
+        "qwen2-nvfp4", "qwen2", "nvfp4-modelopt", 104,
+        _base(head_dim=None, bos_token_id=250, eos_token_id=251, rope_parameters=_rope(1000000.0)),
+        {"bos_token_id": 250, "eos_token_id": 251},
+        "Qwen2, ModelOpt NVFP4 with the settings only in hf_quant_config.json (no quantization_config "
+        "in config.json); q/k/v biases stay BF16 next to the quantized weights.",
+        quant_location="hf_quant_config", exclude=["lm_head"],
+    ),
+    Spec(
+        "qwen3-bf16", "qwen3", "bf16", 105,
+        _base(head_dim=32, bos_token_id=250, eos_token_id=251, attention_bias=False,
+              rope_parameters=_rope(1000000.0)),
+        {"bos_token_id": 250, "eos_token_id": [251, 252]},
+        "Qwen3: per-head q_norm/k_norm (RMSNorm over head_dim before rope), head_dim 32 != "
+        "hidden/heads (q_proj is [128, 64]), eos list in generation_config.json.",
+    ),
+    Spec(
+        "qwen3-nvfp4-ct", "qwen3", "nvfp4-compressed-tensors", 106,
+        _base(head_dim=32, tie_word_embeddings=True, bos_token_id=250, eos_token_id=251,
+              attention_bias=False, rope_parameters=_rope(1000000.0)),
+        {"bos_token_id": 250, "eos_token_id": [251, 252]},
+        "Qwen3, tied embeddings, compressed-tensors nvfp4-pack-quantized (weight_packed, weight_scale "
+        "F8_E4M3, weight_global_scale = divisor, input_global_scale) on every decoder linear, ignore "
+        "[lm_head].",
+        exclude=["lm_head"],
+    ),
+    Spec(
+        "mixtral-bf16", "mixtral", "bf16", 107,
+        _base(intermediate_size=32, rms_norm_eps=1e-5, num_local_experts=8, num_experts_per_tok=2,
+              bos_token_id=1, eos_token_id=2, rope_parameters=_rope(1000000.0)),
+        {"bos_token_id": 1, "eos_token_id": 2},
+        "Mixtral, 8 experts top-2 (softmax over all, renormalized top-k), hub names "
+        "block_sparse_moe.gate / block_sparse_moe.experts.N.{w1,w3,w2}; expert size is "
+        "intermediate_size (32). config.json in the older hub style (torch_dtype, top-level rope_theta).",
+        legacy_config=True,
+    ),
+    Spec(
+        "mixtral-nvfp4", "mixtral", "nvfp4-modelopt", 108,
+        _base(intermediate_size=32, rms_norm_eps=1e-5, num_local_experts=8, num_experts_per_tok=2,
+              bos_token_id=1, eos_token_id=2, rope_parameters=_rope(1000000.0)),
+        {"bos_token_id": 1, "eos_token_id": 2},
+        "Mixtral, ModelOpt NVFP4 (attention + every expert w1/w3/w2, each with its own "
+        "weight_scale_2), router block_sparse_moe.gate BF16 via exclude_modules.",
+        exclude=["lm_head", "model.layers.*.block_sparse_moe.gate"],
+    ),
+    Spec(
+        "qwen3moe-bf16", "qwen3_moe", "bf16", 109,
+        _base(num_hidden_layers=3, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+              bos_token_id=250, eos_token_id=251, rope_parameters=_rope(1000000.0)),
+        {"bos_token_id": 250, "eos_token_id": [251, 250]},
+        "Qwen3-MoE, 3 layers, mlp_only_layers [1] (layer 1 dense MLP with intermediate_size 128, "
+        "layers 0 and 2 MoE), norm_topk_prob true, QK norm, per-expert hub names, two safetensors "
+        "shards with model.safetensors.index.json. config.json in the hub style of Qwen3-MoE "
+        "checkpoints: num_experts (not num_local_experts), torch_dtype, top-level rope_theta.",
+        shards=2, legacy_config=True,
+    ),
+    Spec(
+        "qwen3moe-nvfp4", "qwen3_moe", "nvfp4-modelopt", 110,
+        _base(num_hidden_layers=3, head_dim=32, moe_intermediate_size=32, num_experts=8,
+              num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[],
+              bos_token_id=250, eos_token_id=251, rope_parameters=_rope(1000000.0)),
+        {"bos_token_id": 250, "eos_token_id": 251},
+        "Qwen3-MoE, 3 layers, decoder_sparse_step 2 (only layer 1 is MoE, layers 0 and 2 dense), "
+        "norm_topk_prob false (top-k softmax probabilities used as they are), head_dim 32, ModelOpt "
+        "NVFP4 in config.json, router mlp.gate BF16 via exclude_modules. config.json as transformers 5 "
+        "writes it: the expert count is under num_local_experts.",
+        exclude=["lm_head", "model.layers.*.mlp.gate"],
+    ),
+    Spec(
+        "glm4moe-bf16", "glm4_moe", "bf16", 111,
+        _base(num_hidden_layers=3, head_dim=32, rms_norm_eps=1e-5, moe_intermediate_size=32,
+              n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1, n_shared_experts=1,
+              routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+              attention_bias=True, use_qk_norm=True, num_nextn_predict_layers=0,
+              bos_token_id=250, eos_token_id=[251, 252],
+              rope_parameters=_rope(1000000.0, partial_rotary_factor=0.5)),
+        {"bos_token_id": 250, "eos_token_id": [251, 252, 253]},
+        "GLM-4.5 style MoE with the experts FUSED in the transformers-5 layout: "
+        "model.layers.L.mlp.experts.gate_up_proj [E, 2I, H] (gate rows 0..I-1, up rows I..2I-1) and "
+        "model.layers.L.mlp.experts.down_proj [E, H, I]. Layer 0 dense, layers 1-2 MoE with a shared "
+        "expert; sigmoid router with e_score_correction_bias (F32), n_group 2 / topk_group 1, top-3, "
+        "routed_scaling_factor 2.5; q/k/v biases, QK norm, head_dim 32, partial rotary 0.5 in "
+        "rope_parameters.",
+        fused_experts=True,
+    ),
+    Spec(
+        "glm4moe-nvfp4", "glm4_moe", "nvfp4-modelopt", 112,
+        _base(num_hidden_layers=3, head_dim=16, rms_norm_eps=1e-5, moe_intermediate_size=32,
+              n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+              routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+              attention_bias=True, use_qk_norm=False, num_nextn_predict_layers=1,
+              bos_token_id=250, eos_token_id=[251, 252],
+              rope_parameters=_rope(1000000.0, partial_rotary_factor=0.5)),
+        {"bos_token_id": 250, "eos_token_id": [251, 252]},
+        "GLM-4.5 style MoE, per-expert hub names, ModelOpt NVFP4 (settings in both config.json and "
+        "hf_quant_config.json): dense MLP, shared expert and routed experts quantized; attention "
+        "(with biases) and router BF16 via exclude_modules; e_score_correction_bias F32 at "
+        "mlp.gate.e_score_correction_bias; n_group 1, no QK norm; older hub config style "
+        "(torch_dtype, top-level rope_theta and partial_rotary_factor); num_nextn_predict_layers 1 "
+        "but no MTP weights (must be ignored); two shards, with one quantized module's tensors split "
+        "across them.",
+        shards=2, legacy_config=True, quant_location="both", straddle=True,
+        exclude=["lm_head", "model.layers.*.mlp.gate", "model.layers.*.self_attn*"],
+    ),
+]
+
+_SPEED_CFG = dict(
+    vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+    num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, moe_intermediate_size=160, num_experts=32,
+    num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    bos_token_id=1, eos_token_id=2, rope_parameters=_rope(1000000.0),
+)
+PRESETS = [
+    Spec("speed100m", "qwen3_moe", "bf16", 901, dict(_SPEED_CFG), {"bos_token_id": 1, "eos_token_id": 2},
+         "Qwen3-MoE of about 100M parameters (8 layers, 32 experts top-4) for CPU speed measurement, BF16."),
+    Spec("speed100m-nvfp4", "qwen3_moe", "nvfp4-modelopt", 902, dict(_SPEED_CFG),
+         {"bos_token_id": 1, "eos_token_id": 2},
+         "Qwen3-MoE of about 100M parameters (8 layers, 32 experts top-4) for CPU speed measurement, "
+         "ModelOpt NVFP4.",
+         exclude=["lm_head", "model.layers.*.mlp.gate"]),
+]
+
+
+# --------------------------------------------------------------------------------------
+# Model construction and random weights
+# --------------------------------------------------------------------------------------
+
+def make_config(spec: Spec):
+    cfg = CONFIG_CLASSES[spec.family](**copy.deepcopy(spec.config))
+    cfg.architectures = [ARCHITECTURES[spec.family]]
+    return cfg
+
+
+def build_model(config, family):
+    kw = dict(dtype=torch.float32, attn_implementation="eager")
+    if family in MOE_FAMILIES:
+        kw["experts_implementation"] = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), **kw)
+    return model.eval()
+
+
+def bf16_round(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).to(torch.float32)
+
+
+def randomize(model, config, gen: torch.Generator):
+    """Overwrite every parameter with values large enough that every layer matters."""
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    hidden = config.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            z = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("embed_tokens.weight"):
+                # a tied table is also the output projection: keep the logits at a few units
+                v = z * (LOGIT_STD / math.sqrt(hidden) if tied else 1.0)
+            elif name == "lm_head.weight":
+                v = z * (LOGIT_STD / math.sqrt(hidden))
+            elif name.endswith("norm.weight"):
+                v = 1.0 + 0.2 * z
+            elif name.endswith(".bias"):
+                v = 0.1 * z
+            elif name.endswith("mlp.gate.weight"):
+                v = z * (ROUTER_STD / math.sqrt(p.shape[-1]))
+            elif name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+                v = z / math.sqrt(p.shape[-1])
+            elif p.ndim == 2:
+                v = z / math.sqrt(p.shape[1])
+            else:
+                raise RuntimeError(f"no init rule for {name} {tuple(p.shape)}")
+            p.copy_(bf16_round(v))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
+
+
+# --------------------------------------------------------------------------------------
+# transformers-5 state dict <-> hub tensor names
+# --------------------------------------------------------------------------------------
+
+_FUSED_RE = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_HUB_EXPERT_RE = re.compile(
+    r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_NAMES = {
+    "mixtral": ("w1", "w3", "w2"),
+    "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+    "glm4_moe": ("gate_proj", "up_proj", "down_proj"),
+}
+
+
+def to_hub(sd: dict, family: str, fused: bool, tied: bool) -> dict:
+    out = {}
+    for k, v in sd.items():
+        if tied and k == "lm_head.weight":
+            continue
+        m = _FUSED_RE.match(k)
+        if m and not fused:
+            layer, which = m.groups()
+            g_name, u_name, d_name = _EXPERT_NAMES[family]
+            block = "block_sparse_moe" if family == "mixtral" else "mlp"
+            base = f"{layer}.{block}.experts"
+            if which == "gate_up_proj":
+                inter = v.shape[1] // 2
+                for e in range(v.shape[0]):
+                    out[f"{base}.{e}.{g_name}.weight"] = v[e, :inter].clone()
+                    out[f"{base}.{e}.{u_name}.weight"] = v[e, inter:].clone()
+            else:
+                for e in range(v.shape[0]):
+                    out[f"{base}.{e}.{d_name}.weight"] = v[e].clone()
+            continue
+        if family == "mixtral":
+            k = k.replace(".mlp.", ".block_sparse_moe.")
+        out[k] = v.clone()
+    return out
+
+
+def from_hub(hub: dict, family: str, tied: bool) -> dict:
+    sd, experts = {}, {}
+    for k, v in hub.items():
+        m = _HUB_EXPERT_RE.match(k)
+        if m:
+            layer, e, proj = m.groups()
+            experts.setdefault(layer, {}).setdefault(int(e), {})[proj] = v
+            continue
+        if family == "mixtral":
+            k = k.replace(".block_sparse_moe.", ".mlp.")
+        sd[k] = v
+    g_name, u_name, d_name = _EXPERT_NAMES.get(family, (None, None, None))
+    for layer, per in experts.items():
+        n = len(per)
+        assert sorted(per) == list(range(n)), f"{layer}: experts {sorted(per)}"
+        sd[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([per[e][g_name], per[e][u_name]], 0) for e in range(n)])
+        sd[f"{layer}.mlp.experts.down_proj"] = torch.stack([per[e][d_name] for e in range(n)])
+    if tied:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    return sd
+
+
+def is_router(module: str) -> bool:
+    return module.endswith(".mlp.gate") or module.endswith(".block_sparse_moe.gate")
+
+
+def quantized_modules(hub: dict, patterns: list, ct: bool) -> list:
+    """Decoder-layer linears that the quantization settings cover."""
+    mods = []
+    for k, v in hub.items():
+        if not (k.endswith(".weight") and v.ndim == 2 and k.startswith("model.layers.")):
+            continue
+        mod = k[: -len(".weight")]
+        if is_router(mod) or mod.split(".")[-1].endswith("norm"):
+            continue
+        if matches_any(mod, patterns, ct):
+            continue
+        mods.append(mod)
+    return mods
+
+
+def matches_any(module: str, patterns: list, ct: bool) -> bool:
+    for p in patterns:
+        if ct and p.startswith("re:"):
+            if re.match(p[3:], module):
+                return True
+        elif fnmatch.fnmatchcase(module, p):
+            return True
+    return False
+
+
+# --------------------------------------------------------------------------------------
+# NVFP4
+# --------------------------------------------------------------------------------------
+
+_E2M1 = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+_E2M1_MIDS = (_E2M1[1:] + _E2M1[:-1]) / 2
+
+
+def quantize_nvfp4(w: torch.Tensor, ct: bool) -> tuple[dict, torch.Tensor]:
+    """w: float32 [N, K]. Returns (tensors as stored, dequantized float32 [N, K])."""
+    n, k = w.shape
+    assert k % 16 == 0, (w.shape,)
+    blocks = w.reshape(n, k // 16, 16)
+    amax = w.abs().max().to(torch.float32)
+    assert amax > 0
+    if ct:
+        global_scale = (FP4_MAX * FP8_MAX / amax).to(torch.float32)  # a divisor
+        scale = (blocks.abs().amax(-1) / FP4_MAX * global_scale)
+    else:
+        scale_2 = (amax / (FP4_MAX * FP8_MAX)).to(torch.float32)
+        scale = blocks.abs().amax(-1) / (FP4_MAX * scale_2)
+    scale_f8 = scale.clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    s = scale_f8.to(torch.float32)[..., None]
+    if ct:
+        x = torch.where(s > 0, blocks * global_scale / torch.where(s > 0, s, 1.0), 0.0)
+    else:
+        x = torch.where(s > 0, blocks / torch.where(s > 0, s * scale_2, 1.0), 0.0)
+    mag = x.abs()
+    idx = torch.bucketize(mag, _E2M1_MIDS)  # ties -> smaller magnitude ...
+    tie = (idx < 7) & (mag == _E2M1_MIDS[idx.clamp(max=6)]) & (idx % 2 == 1)
+    idx = torch.where(tie, idx + 1, idx)  # ... then ties to the even code
+    code = idx | ((x < 0).to(torch.int64) << 3)
+    code = torch.where(s.expand_as(code) > 0, code, 0).reshape(n, k)
+    lo, hi = code[:, 0::2], code[:, 1::2]
+    packed = (lo | (hi << 4)).to(torch.uint8).contiguous()
+    val = _E2M1[idx] * torch.where(x < 0, -1.0, 1.0)
+    val = torch.where(s > 0, val, 0.0)
+    if ct:
+        deq = (val * s / global_scale).reshape(n, k)
+        tensors = {
+            "weight_packed": packed,
+            "weight_scale": scale_f8.contiguous(),
+            "weight_global_scale": global_scale.reshape(1).clone(),
+            "input_global_scale": torch.tensor([FP4_MAX * FP8_MAX / 4.0], dtype=torch.float32),
+        }
+    else:
+        deq = (val * s * scale_2).reshape(n, k)
+        tensors = {
+            "weight": packed,
+            "weight_scale": scale_f8.contiguous(),
+            "weight_scale_2": scale_2.reshape(()).clone(),
+            "input_scale": torch.tensor(4.0 / (FP4_MAX * FP8_MAX), dtype=torch.float32),
+        }
+    return tensors, deq.to(torch.float32)
+
+
+def modelopt_settings(exclude: list) -> dict:
+    return {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+            "exclude_modules": list(exclude)}
+
+
+def compressed_tensors_config(ignore: list) -> dict:
+    weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+               "symmetric": True, "dynamic": False, "actorder": None, "block_structure": None,
+               "observer": "minmax", "observer_kwargs": {}}
+    inputs = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+              "symmetric": True, "dynamic": "local", "actorder": None, "block_structure": None,
+              "observer": "minmax", "observer_kwargs": {}}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                      "input_activations": inputs, "output_activations": None,
+                                      "format": "nvfp4-pack-quantized"}},
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": "0.12.2",
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Reference forward and routing margins
+# --------------------------------------------------------------------------------------
+
+def forward_with_routes(model, tokens: torch.Tensor, family: str):
+    captured = []
+    hooks = []
+    if family in MOE_FAMILIES:
+        for name, mod in model.named_modules():
+            if name.endswith(".mlp.gate"):
+                hooks.append(mod.register_forward_hook(
+                    lambda m, inp, out, name=name: captured.append((name, m, inp[0].detach().clone()))))
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=tokens[None]).logits[0].to(torch.float32).contiguous()
+    finally:
+        for h in hooks:
+            h.remove()
+    gap = math.inf
+    cfg = model.config
+    for _, mod, h in captured:
+        h = h.reshape(-1, h.shape[-1]).double()
+        r = h @ mod.weight.detach().double().T
+        k = cfg.num_experts_per_tok
+        if family == "glm4_moe":
+            choice = torch.sigmoid(r) + mod.e_score_correction_bias.double()
+            n_group, topk_group = cfg.n_group, cfg.topk_group
+            per = choice.shape[-1] // n_group
+            grp = choice.view(-1, n_group, per).topk(2, dim=-1)[0].sum(-1)
+            if topk_group < n_group:
+                gs = grp.sort(dim=-1, descending=True)[0]
+                gap = min(gap, (gs[:, topk_group - 1] - gs[:, topk_group]).min().item())
+            keep = torch.zeros_like(grp, dtype=torch.bool)
+            keep.scatter_(1, grp.topk(topk_group, dim=-1)[1], True)
+            keep = keep[:, :, None].expand(-1, -1, per).reshape(choice.shape)
+            choice = choice.masked_fill(~keep, -math.inf)
+            cs = choice.sort(dim=-1, descending=True)[0]
+            if k < topk_group * per:
+                gap = min(gap, (cs[:, k - 1] - cs[:, k]).min().item())
+        else:
+            cs = r.sort(dim=-1, descending=True)[0]
+            gap = min(gap, (cs[:, k - 1] - cs[:, k]).min().item())
+    return logits, gap
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a = a.double()
+    b = b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+# --------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------
+
+def config_json(spec: Spec, config) -> dict:
+    d = config.to_diff_dict()
+    d["architectures"] = [ARCHITECTURES[spec.family]]
+    d.pop("dtype", None)
+    d.pop("torch_dtype", None)
+    d.pop("_name_or_path", None)
+    if spec.legacy_config:
+        rope = dict(d.pop("rope_parameters"))
+        d["rope_theta"] = rope.pop("rope_theta")
+        if "partial_rotary_factor" in rope:
+            d["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
+        rtype = rope.get("rope_type", "default")
+        d["rope_scaling"] = None if rtype == "default" else rope
+        d["torch_dtype"] = "bfloat16"
+        if spec.family == "qwen3_moe":  # transformers 5 writes its alias num_local_experts
+            d["num_experts"] = d.pop("num_local_experts")
+    else:
+        d["dtype"] = "bfloat16"
+    if spec.fmt == "nvfp4-modelopt" and spec.quant_location in ("config", "both"):
+        d["quantization_config"] = {"quant_method": "modelopt", **modelopt_settings(spec.exclude)}
+    elif spec.fmt == "nvfp4-compressed-tensors":
+        d["quantization_config"] = compressed_tensors_config(spec.exclude)
+    return dict(sorted(d.items()))
+
+
+def generation_json(spec: Spec) -> dict:
+    g = transformers.GenerationConfig(**spec.generation)
+    return g.to_diff_dict()
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def split_shards(names: list, nbytes: dict, n: int, straddle: bool) -> list:
+    """Consecutive groups of names with about equal bytes."""
+    if n == 1:
+        return [names]
+    total = sum(nbytes.values())
+    cuts, acc, target = [], 0, total / n
+    for i, name in enumerate(names):
+        acc += nbytes[name]
+        if len(cuts) < n - 1 and acc >= target * (len(cuts) + 1):
+            cuts.append(i + 1)
+    if straddle:
+        # move the first cut so that a quantized module's packed weight and its scales land in
+        # different files, which real NVFP4 checkpoints do.
+        c = cuts[0]
+        while c < len(names) and not (names[c - 1].endswith(".weight") and
+                                      names[c].endswith(".weight_scale") and
+                                      names[c - 1][:-7] == names[c][:-13]):
+            c += 1
+        assert c < len(names), "no quantized module to split across shards"
+        cuts[0] = c
+    bounds = [0] + cuts + [len(names)]
+    return [names[bounds[i]:bounds[i + 1]] for i in range(n)]
+
+
+def save_tensors(folder: Path, tensors: dict, shards: int, straddle: bool) -> None:
+    names = list(tensors)
+    nbytes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
+    groups = split_shards(names, nbytes, shards, straddle)
+    meta = {"format": "pt"}
+    if len(groups) == 1:
+        save_file({k: tensors[k].contiguous() for k in groups[0]}, str(folder / "model.safetensors"), metadata=meta)
+        return
+    weight_map = {}
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({k: tensors[k].contiguous() for k in group}, str(folder / fname), metadata=meta)
+        for k in group:
+            weight_map[k] = fname
+    write_json(folder / "model.safetensors.index.json",
+               {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": dict(sorted(weight_map.items()))})
+
+
+# --------------------------------------------------------------------------------------
+# Independent read-back for verification (own safetensors parser, own FP8/FP4 decoding)
+# --------------------------------------------------------------------------------------
+
+_ST_DTYPES = {"BF16": (2, None), "F32": (4, "<f4"), "U8": (1, "u1"), "F8_E4M3": (1, "u1")}
+
+
+def read_safetensors(path: Path) -> dict:
+    """name -> (dtype string, numpy array, stored bytes); BF16 widened to float32, F8 left as raw bytes."""
+    raw = path.read_bytes()
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + hlen])
+    base = 8 + hlen
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dt, shape, (a, b) = info["dtype"], info["shape"], info["data_offsets"]
+        size, np_dt = _ST_DTYPES[dt]
+        buf = raw[base + a: base + b]
+        assert len(buf) == size * int(np.prod(shape, dtype=np.int64)), name
+        if dt == "BF16":
+            arr = (np.frombuffer(buf, "<u2").astype(np.uint32) << 16).view(np.float32)
+        else:
+            arr = np.frombuffer(buf, np_dt)
+        out[name] = (dt, arr.reshape(shape).copy(), b - a)
+    return out
+
+
+def read_checkpoint(folder: Path) -> dict:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        idx = json.loads(index.read_text())
+        files = sorted(set(idx["weight_map"].values()))
+        out = {}
+        for f in files:
+            part = read_safetensors(folder / f)
+            for k in part:
+                assert idx["weight_map"].get(k) == f, f"{k} not mapped to {f}"
+            out.update(part)
+        assert set(out) == set(idx["weight_map"]), "index and files disagree"
+        total = sum(n for _, _, n in out.values())
+        assert idx["metadata"]["total_size"] == total, "total_size"
+        return out
+    return read_safetensors(folder / "model.safetensors")
+
+
+def strip_sizes(tensors: dict) -> dict:
+    return {k: (dt, arr) for k, (dt, arr, _) in tensors.items()}
+
+
+def e4m3_decode(u8: np.ndarray) -> np.ndarray:
+    u = u8.astype(np.int64)
+    sign = np.where(u & 0x80, -1.0, 1.0)
+    e = (u >> 3) & 0xF
+    m = (u & 0x7).astype(np.float64)
+    v = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1.0 + m / 8.0) * np.exp2(e - 7.0))
+    v = np.where((e == 15) & ((u & 7) == 7), np.nan, v)
+    return sign * v
+
+
+def e2m1_decode(nibbles: np.ndarray) -> np.ndarray:
+    lut = np.array(E2M1_VALUES + tuple(-x for x in E2M1_VALUES), dtype=np.float64)
+    return lut[nibbles]
+
+
+def dequantize_readback(tensors: dict, fmt: str) -> tuple[dict, set]:
+    """Dense float64 weights from the read-back tensors; returns (hub dict, quantized module names)."""
+    ct = fmt == "nvfp4-compressed-tensors"
+    packed_suffix = ".weight_packed" if ct else ".weight"
+    out, quant = {}, set()
+    for name, (dt, arr) in tensors.items():
+        if dt == "U8" and name.endswith(packed_suffix):
+            mod = name[: -len(packed_suffix)]
+            quant.add(mod)
+            n, half = arr.shape
+            nib = np.stack([arr & 0xF, arr >> 4], axis=-1).reshape(n, 2 * half)
+            sdt, sraw = tensors[mod + ".weight_scale"]
+            assert sdt == "F8_E4M3" and sraw.shape == (n, half * 2 // 16), mod
+            scale = np.repeat(e4m3_decode(sraw), 16, axis=1)
+            if ct:
+                gdt, g = tensors[mod + ".weight_global_scale"]
+                idt, ig = tensors[mod + ".input_global_scale"]
+                assert gdt == "F32" and g.shape == (1,) and idt == "F32" and ig.shape == (1,), mod
+                w = e2m1_decode(nib) * scale / float(g[0])
+            else:
+                gdt, g = tensors[mod + ".weight_scale_2"]
+                idt, ig = tensors[mod + ".input_scale"]
+                assert gdt == "F32" and g.shape == () and idt == "F32" and ig.shape == (), mod
+                w = e2m1_decode(nib) * scale * float(g)
+            out[mod + ".weight"] = w
+        elif dt in ("BF16", "F32"):
+            out[name] = arr.astype(np.float64)
+        else:
+            assert dt in ("F8_E4M3", "F32", "U8"), (name, dt)
+    for name, (dt, arr) in tensors.items():
+        is_aux = any(name.endswith(s) for s in (".weight_scale", ".weight_scale_2", ".input_scale",
+                                                 ".weight_global_scale", ".input_global_scale"))
+        if is_aux:
+            assert name.rsplit(".", 1)[0] in quant, f"orphan {name}"
+            out.pop(name, None)
+    return out, quant
+
+
+# --------------------------------------------------------------------------------------
+# One fixture
+# --------------------------------------------------------------------------------------
+
+def make_fixture(spec: Spec, out_root: Path, seed_offset: int, verify: bool) -> dict:
+    config = make_config(spec)
+    tied = bool(config.tie_word_embeddings)
+    ct = spec.fmt == "nvfp4-compressed-tensors"
+    quantize = spec.fmt != "bf16"
+    base_seed = spec.seed + 1_000_003 * seed_offset
+
+    for attempt in range(50):
+        seed = base_seed + 7919 * attempt
+        gen = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, config.vocab_size, (PROMPT_LEN,), generator=gen)
+        model = build_model(config, spec.family)
+        randomize(model, config, gen)
+        hub = to_hub(model.state_dict(), spec.family, spec.fused_experts, tied)
+
+        files, ref_hub = {}, {}
+        qmods = set(quantized_modules(hub, spec.exclude, ct)) if quantize else set()
+        for name, v in hub.items():
+            mod = name[: -len(".weight")] if name.endswith(".weight") else None
+            if mod in qmods:
+                qt, deq = quantize_nvfp4(v, ct)
+                for suffix, t in qt.items():
+                    files[f"{mod}.{suffix}"] = t
+                ref_hub[name] = deq
+            elif name.endswith("e_score_correction_bias"):
+                files[name] = v.to(torch.float32).contiguous()
+                ref_hub[name] = v
+            else:
+                files[name] = v.to(torch.bfloat16).contiguous()
+                ref_hub[name] = v  # already bf16-rounded
+        missing, unexpected = model.load_state_dict(from_hub(ref_hub, spec.family, tied), strict=False)
+        assert not missing and not unexpected, (missing, unexpected)
+        logits, gap = forward_with_routes(model, tokens, spec.family)
+        if gap >= MIN_ROUTE_GAP:
+            break
+        print(f"  {spec.name}: seed {seed} has a routing gap of {gap:.2e}, trying another", file=sys.stderr)
+    else:
+        raise RuntimeError(f"{spec.name}: no seed with clear routing")
+
+    std = logits.std().item()
+    if not std > 1.0:
+        raise RuntimeError(f"{spec.name}: logits std {std:.3f} <= 1")
+
+    folder = out_root / spec.name
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+
+    write_json(folder / "config.json", config_json(spec, config))
+    write_json(folder / "generation_config.json", generation_json(spec))
+    if spec.fmt == "nvfp4-modelopt" and spec.quant_location in ("hf_quant_config", "both"):
+        write_json(folder / "hf_quant_config.json",
+                   {"producer": {"name": "modelopt", "version": "0.37.0"},
+                    "quantization": modelopt_settings(spec.exclude)})
+    save_tensors(folder, files, spec.shards, spec.straddle)
+    for f in folder.iterdir():
+        f.chmod(0o644)
+    (folder / "reference_logits.f32").write_bytes(logits.numpy().astype("<f4").tobytes())
+    write_json(folder / "reference.json", {
+        "tokens": [int(t) for t in tokens],
+        "shape": [PROMPT_LEN, int(config.vocab_size)],
+        "logits": "reference_logits.f32",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__.split("+")[0],
+        "family": spec.family,
+        "format": spec.fmt,
+        "seed": seed,
+        "notes": spec.notes,
+    })
+
+    check = ""
+    if verify:
+        check = verify_bf16(folder, spec, logits) if spec.fmt == "bf16" else \
+            verify_nvfp4(folder, spec, ref_hub, logits, tied)
+
+    size = sum(f.stat().st_size for f in folder.iterdir())
+    n_params = sum(v.numel() for v in hub.values())
+    return {"name": spec.name, "size": size, "std": std, "gap": gap, "check": check,
+            "params": n_params, "folder": folder}
+
+
+def verify_bf16(folder: Path, spec: Spec, ref: torch.Tensor) -> str:
+    kw = dict(dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    if spec.family in MOE_FAMILIES:
+        kw["experts_implementation"] = "eager"
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **kw)
+    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if bad:
+        raise RuntimeError(f"{spec.name}: transformers load problems {bad}")
+    model.eval()
+    tokens = torch.tensor(json.loads((folder / "reference.json").read_text())["tokens"])
+    with torch.no_grad():
+        got = model(input_ids=tokens[None]).logits[0].float()
+    stored = torch.from_numpy(np.fromfile(folder / "reference_logits.f32", dtype="<f4").reshape(ref.shape))
+    err = max(rel_l2(got[t], stored[t]) for t in range(ref.shape[0]))
+    if not err < 1e-5:
+        raise RuntimeError(f"{spec.name}: from_pretrained logits differ, rel L2 {err:.2e}")
+    return f"from_pretrained rel_l2 {err:.1e}"
+
+
+def verify_nvfp4(folder: Path, spec: Spec, ref_hub: dict, ref: torch.Tensor, tied: bool) -> str:
+    ct = spec.fmt == "nvfp4-compressed-tensors"
+    tensors = strip_sizes(read_checkpoint(folder))
+    dense, quant = dequantize_readback(tensors, spec.fmt)
+
+    # the quantization settings on disk must describe exactly the quantized modules
+    cfg_file = json.loads((folder / "config.json").read_text())
+    if ct:
+        qc = cfg_file["quantization_config"]
+        patterns = qc["ignore"]
+    else:
+        sources = []
+        if "quantization_config" in cfg_file:
+            sources.append(cfg_file["quantization_config"]["exclude_modules"])
+        hqc = folder / "hf_quant_config.json"
+        if hqc.exists():
+            sources.append(json.loads(hqc.read_text())["quantization"]["exclude_modules"])
+        assert sources and all(s == sources[0] for s in sources), "missing or conflicting settings"
+        patterns = sources[0]
+    expected = set(quantized_modules(dense, patterns, ct))
+    if expected != quant:
+        raise RuntimeError(f"{spec.name}: quantized set mismatch {sorted(expected ^ quant)[:6]}")
+
+    # dequantized values equal the weights used for the reference
+    if set(dense) != set(ref_hub):
+        raise RuntimeError(f"{spec.name}: tensor names differ {sorted(set(dense) ^ set(ref_hub))[:6]}")
+    worst = 0.0
+    for k, v in ref_hub.items():
+        a = v.double().numpy()
+        d = np.abs(dense[k] - a).max() / max(np.abs(a).max(), 1e-30)
+        worst = max(worst, float(d))
+    if not worst < 1e-6:
+        raise RuntimeError(f"{spec.name}: dequantized weights differ by {worst:.2e}")
+    for k, (dt, _) in tensors.items():
+        want = "F32" if k.endswith("e_score_correction_bias") else None
+        if want and dt != want:
+            raise RuntimeError(f"{spec.name}: {k} stored as {dt}")
+
+    # the config as transformers reads it from disk, fed with the read-back weights
+    config = transformers.AutoConfig.from_pretrained(str(folder))
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    model = build_model(config, spec.family)
+    sd = from_hub({k: torch.from_numpy(v.astype(np.float32)) for k, v in dense.items()}, spec.family, tied)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    tokens = torch.tensor(json.loads((folder / "reference.json").read_text())["tokens"])
+    with torch.no_grad():
+        got = model(input_ids=tokens[None]).logits[0].float()
+    err = max(rel_l2(got[t], ref[t]) for t in range(ref.shape[0]))
+    if not err < 1e-5:
+        raise RuntimeError(f"{spec.name}: read-back logits differ, rel L2 {err:.2e}")
+    return f"{len(quant)} nvfp4 modules, dequant max rel {worst:.0e}, read-back rel_l2 {err:.1e}"
+
+
+# --------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output root (default tests/fixtures; out/fixtures for --preset)")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="make only these fixtures")
+    ap.add_argument("--seed-offset", type=int, default=0, help="different random weights and prompts")
+    ap.add_argument("--preset", nargs="+", choices=[p.name for p in PRESETS],
+                    help="make these larger, non-committed checkpoints into OUT/NAME instead of the fixtures")
+    ap.add_argument("--list", action="store_true", help="list the fixtures and exit")
+    ap.add_argument("--verify", dest="verify", action="store_true", default=True,
+                    help="check every written checkpoint (default)")
+    ap.add_argument("--no-verify", dest="verify", action="store_false")
+    args = ap.parse_args(argv)
+
+    if args.list:
+        for s in FIXTURES + PRESETS:
+            kind = "preset " if s in PRESETS else ""
+            print(f"{kind}{s.name:18s} {s.family:10s} {s.fmt:25s} {s.notes}")
+        return 0
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    if args.preset:
+        if args.only:
+            ap.error("--only and --preset do not combine")
+        specs = [p for p in PRESETS if p.name in args.preset]
+        out = args.out or (REPO / "out" / "fixtures")
+    else:
+        by_name = {s.name: s for s in FIXTURES}
+        unknown = [n for n in (args.only or []) if n not in by_name]
+        if unknown:
+            ap.error(f"unknown fixture(s) {unknown}; see --list")
+        specs = [by_name[n] for n in args.only] if args.only else FIXTURES
+        out = args.out or (REPO / "tests" / "fixtures")
+    out.mkdir(parents=True, exist_ok=True)
+
+    total = 0
+    for spec in specs:
+        r = make_fixture(spec, out, args.seed_offset, args.verify)
+        total += r["size"]
+        print(f"{r['name']:16s} {r['size']:9d} bytes  params {r['params']:>10d}  logits std {r['std']:6.3f}  "
+              f"route gap {r['gap']:.1e}  {r['check']}".rstrip(), flush=True)
+    print(f"total {total} bytes in {len(specs)} checkpoint(s) under {out}")
+    if not args.preset and not args.only and total > SIZE_BUDGET:
+        print(f"warning: fixtures exceed {SIZE_BUDGET} bytes", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

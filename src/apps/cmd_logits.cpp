@@ -1,0 +1,77 @@
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "apps/commands.h"
+#include "backend/cpu/forward.h"
+#include "common/error.h"
+#include "model/weights.h"
+
+namespace kestrel::apps {
+namespace {
+
+std::vector<int32_t> parse_tokens(const std::string& s) {
+  std::vector<int32_t> out;
+  size_t i = 0;
+  while (i < s.size()) {
+    size_t j = s.find(',', i);
+    if (j == std::string::npos) j = s.size();
+    const std::string item = s.substr(i, j - i);
+    try {
+      size_t used = 0;
+      long long v = std::stoll(item, &used);
+      if (used != item.size() || v < 0 || v > INT32_MAX) throw std::invalid_argument(item);
+      out.push_back(int32_t(v));
+    } catch (const std::exception&) {
+      fail("--tokens: '", item, "' is not a token id (expected comma-separated non-negative integers)");
+    }
+    i = j + 1;
+  }
+  if (out.empty()) fail("--tokens: no token ids given");
+  return out;
+}
+
+struct Options {
+  std::string model, tokens, out;
+  bool decode = false;
+  int threads = 0;
+};
+
+}  // namespace
+
+Run add_logits(CLI::App& app) {
+  auto o = std::make_shared<Options>();
+  app.add_option("--model", o->model, "Hugging Face model folder")->required();
+  app.add_option("--tokens", o->tokens, "Comma-separated token ids, e.g. 1,2,3")->required();
+  app.add_option("--out", o->out, "Output file: float32 little-endian logits [tokens, vocab]")->required();
+  app.add_flag("--decode", o->decode, "Feed the tokens one at a time through the KV cache (decode path)");
+  app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
+  return [o]() {
+    const std::vector<int32_t> tokens = parse_tokens(o->tokens);
+    auto model = load_model(o->model);
+    const int64_t V = model->config.vocab_size, T = int64_t(tokens.size());
+    ThreadPool pool(o->threads);
+    cpu::Forward fwd(*model, pool);
+    KvCache cache = fwd.make_cache(T);
+    std::vector<float> logits(static_cast<size_t>(T * V));
+    const auto t0 = std::chrono::steady_clock::now();
+    if (o->decode) {
+      for (int64_t t = 0; t < T; ++t) fwd.run({tokens.data() + t, 1}, cache, logits.data() + t * V);
+    } else {
+      fwd.run(tokens, cache, logits.data());
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::ofstream out(o->out, std::ios::binary);
+    if (!out) fail(o->out, ": cannot open for writing");
+    out.write(reinterpret_cast<const char*>(logits.data()), std::streamsize(logits.size() * sizeof(float)));
+    if (!out) fail(o->out, ": write failed");
+    std::fprintf(stderr, "%lld tokens through the %s path in %.3f s (%.1f tokens/s, %d threads); logits [%lld, %lld] -> %s\n",
+                 (long long)T, o->decode ? "decode" : "prefill", secs, double(T) / secs, pool.size(), (long long)T,
+                 (long long)V, o->out.c_str());
+    return 0;
+  };
+}
+
+}  // namespace kestrel::apps

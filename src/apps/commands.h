@@ -1,0 +1,14 @@
+// Subcommands of the kestrel binary. Each registers its options on the CLI and returns the
+// function that runs it.
+#pragma once
+#include <CLI/CLI.hpp>
+#include <functional>
+
+namespace kestrel::apps {
+
+using Run = std::function<int()>;
+
+Run add_inspect(CLI::App& app);
+Run add_logits(CLI::App& app);
+
+}  // namespace kestrel::apps

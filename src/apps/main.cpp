@@ -1,0 +1,47 @@
+// kestrel: one binary, one subcommand per job.
+#include <cstdio>
+#include <map>
+
+#include "apps/commands.h"
+#include "common/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"kestrel: an inference engine for NVFP4 mixture-of-experts models"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "kestrel 0.1.0");
+  std::map<CLI::App*, kestrel::apps::Run> runs;
+  auto add = [&](const char* name, const char* help, kestrel::apps::Run (*fn)(CLI::App&)) {
+    CLI::App* sub = app.add_subcommand(name, help);
+    runs[sub] = fn(*sub);
+  };
+  add("inspect", "Describe a model folder: architecture, layers, parameters, storage formats", kestrel::apps::add_inspect);
+  add("logits", "Write the float32 logits of every position of a token sequence", kestrel::apps::add_logits);
+  if (argc > 1 && argv[1][0] != '-') {
+    bool known = false;
+    std::string names;
+    for (const auto& [sub, _] : runs) {
+      known |= sub->get_name() == argv[1];
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+    }
+    if (!known) {
+      std::fprintf(stderr, "kestrel: error: unknown command '%s' (commands: %s)\n", argv[1], names.c_str());
+      return 2;
+    }
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    for (auto& [sub, run] : runs)
+      if (sub->parsed()) return run();
+  } catch (const kestrel::Error& e) {
+    std::fprintf(stderr, "kestrel: error: %s\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "kestrel: error: out of memory\n");
+    return 1;
+  }
+  return 1;
+}

@@ -1,0 +1,34 @@
+// The forward pass of every supported family on the CPU: the reference the other backends are
+// checked against. float32 activations and accumulation; weights dequantized on the fly.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "backend/cpu/ops.h"
+#include "common/thread_pool.h"
+#include "model/weights.h"
+#include "runtime/kv_cache.h"
+
+namespace kestrel::cpu {
+
+class Forward {
+ public:
+  Forward(const Model& model, ThreadPool& pool);
+
+  // A KV cache sized for this model.
+  KvCache make_cache(int64_t capacity) const;
+
+  // Runs `tokens` at the positions after those already in `cache` (all at once: the prefill
+  // path; one at a time: the decode path), appends their keys and values, and writes the logits
+  // of every token to `logits` ([tokens, vocab]) when it is not null.
+  void run(std::span<const int32_t> tokens, KvCache& cache, float* logits);
+
+ private:
+  const Model& model_;
+  const ModelConfig& c_;
+  ThreadPool& pool_;
+  RopeTables rope_;
+};
+
+}  // namespace kestrel::cpu

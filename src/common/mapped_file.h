@@ -1,0 +1,30 @@
+// A read-only memory-mapped file. Checkpoints are mapped, never copied, so loading a model costs
+// page faults instead of reads and the weights are shared with the page cache.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+namespace kestrel {
+
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  std::span<const uint8_t> bytes() const { return {data_, size_}; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  const uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Reads a whole (small) text file; errors name the path.
+std::string read_text_file(const std::string& path);
+
+}  // namespace kestrel

@@ -1,0 +1,344 @@
+#include "model/weights.h"
+
+#include <cstdio>
+#include <cstring>
+
+#include "common/error.h"
+#include "common/numeric.h"
+#include "formats/nvfp4.h"
+
+namespace kestrel {
+
+const char* format_name(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::F32: return "F32";
+    case WeightFormat::F16: return "F16";
+    case WeightFormat::BF16: return "BF16";
+    case WeightFormat::NVFP4: return "NVFP4";
+  }
+  return "?";
+}
+
+size_t Linear::row_bytes() const {
+  switch (format) {
+    case WeightFormat::F32: return size_t(in) * 4;
+    case WeightFormat::F16:
+    case WeightFormat::BF16: return size_t(in) * 2;
+    case WeightFormat::NVFP4: return size_t(in) / 2 + size_t(in) / kNvfp4Block;
+  }
+  return 0;
+}
+
+size_t Linear::bytes() const { return row_bytes() * size_t(out); }
+
+void Linear::dequant_row(int64_t row, float* o) const {
+  switch (format) {
+    case WeightFormat::F32:
+      std::memcpy(o, data + size_t(row) * size_t(in) * 4, size_t(in) * 4);
+      return;
+    case WeightFormat::BF16: {
+      const uint8_t* p = data + size_t(row) * size_t(in) * 2;
+      for (int64_t i = 0; i < in; ++i) {
+        uint16_t v;
+        std::memcpy(&v, p + 2 * i, 2);
+        o[i] = bf16_to_f32(v);
+      }
+      return;
+    }
+    case WeightFormat::F16: {
+      const uint8_t* p = data + size_t(row) * size_t(in) * 2;
+      for (int64_t i = 0; i < in; ++i) {
+        uint16_t v;
+        std::memcpy(&v, p + 2 * i, 2);
+        o[i] = f16_to_f32(v);
+      }
+      return;
+    }
+    case WeightFormat::NVFP4:
+      nvfp4_dequant_row(data + size_t(row) * size_t(in / 2), scales + size_t(row) * size_t(in / kNvfp4Block), scale2,
+                        in, o);
+      return;
+  }
+}
+
+namespace {
+
+std::string shape_str(std::initializer_list<int64_t> s) {
+  std::string r = "[";
+  size_t i = 0;
+  for (int64_t d : s) r += (i++ ? ", " : "") + std::to_string(d);
+  return r + "]";
+}
+
+void expect_shape(const TensorView& t, std::initializer_list<int64_t> shape, const std::string& why) {
+  if (t.shape.size() != shape.size() || !std::equal(shape.begin(), shape.end(), t.shape.begin()))
+    fail(t.where(), ": shape ", t.shape_str(), " disagrees with ", why, " (expected ", shape_str(shape), ")");
+}
+
+float read_scalar_f32(const TensorView& t) {
+  if (t.dtype != DType::F32) fail(t.where(), ": expected an F32 scalar, found ", dtype_name(t.dtype));
+  if (t.numel() != 1) fail(t.where(), ": expected a scalar, found shape ", t.shape_str());
+  float v;
+  std::memcpy(&v, t.data, 4);
+  if (!std::isfinite(v)) fail(t.where(), ": scale is not finite");
+  return v;
+}
+
+std::vector<float> to_floats(const TensorView& t) {
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  for (size_t i = 0; i < v.size(); ++i) {
+    const uint8_t* p = t.data + i * dtype_size(t.dtype);
+    uint16_t h;
+    switch (t.dtype) {
+      case DType::F32: std::memcpy(&v[i], p, 4); break;
+      case DType::BF16: std::memcpy(&h, p, 2); v[i] = bf16_to_f32(h); break;
+      case DType::F16: std::memcpy(&h, p, 2); v[i] = f16_to_f32(h); break;
+      default: fail(t.where(), ": expected a float tensor (F32, F16, BF16), found ", dtype_name(t.dtype));
+    }
+  }
+  return v;
+}
+
+std::optional<WeightFormat> dense_format(DType d) {
+  switch (d) {
+    case DType::F32: return WeightFormat::F32;
+    case DType::F16: return WeightFormat::F16;
+    case DType::BF16: return WeightFormat::BF16;
+    default: return std::nullopt;
+  }
+}
+
+class Loader {
+ public:
+  Loader(const Checkpoint& ck, const ModelConfig& cfg) : ck_(ck), cfg_(cfg) {}
+
+  std::vector<float> vec(const std::string& name, int64_t n) {
+    const TensorView& t = ck_.get(name);
+    expect_shape(t, {n}, cat("config.json (", n, " entries)"));
+    return to_floats(t);
+  }
+
+  // A dense matrix: embeddings, LM head, router.
+  Linear dense(const std::string& module, const std::string& tensor, int64_t out, int64_t in) {
+    const TensorView& t = ck_.get(tensor);
+    Linear l;
+    l.name = module;
+    l.out = out;
+    l.in = in;
+    auto f = dense_format(t.dtype);
+    if (!f) fail(t.where(), ": expected F32, F16 or BF16 for this module, found ", dtype_name(t.dtype));
+    expect_shape(t, {out, in}, "config.json");
+    l.format = *f;
+    l.data = t.data;
+    return l;
+  }
+
+  Linear linear(const std::string& module, int64_t out, int64_t in, bool bias) {
+    Linear l;
+    const QuantConfig& q = cfg_.quant;
+    if (q.quantizes(module)) {
+      l = nvfp4(module, out, in);
+    } else {
+      const std::string wname = module + ".weight";
+      if (ck_.has(module + ".weight_scale") || ck_.has(module + ".weight_packed"))
+        fail(ck_.get(ck_.has(module + ".weight_scale") ? module + ".weight_scale" : module + ".weight_packed").where(),
+             ": module is stored quantized but ", q.is_quantized() ? q.source : cfg_.source,
+             " does not quantize it (excluded or no quantization settings)");
+      l = dense(module, wname, out, in);
+    }
+    if (bias) l.bias = vec(module + ".bias", out);
+    return l;
+  }
+
+  GatedFfn ffn(const std::string& prefix, const std::string& g, const std::string& u, const std::string& d,
+               int64_t width) {
+    const int64_t h = cfg_.hidden_size;
+    return {linear(prefix + "." + g, width, h, false), linear(prefix + "." + u, width, h, false),
+            linear(prefix + "." + d, h, width, false)};
+  }
+
+  // Experts stored as 3D tensors: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+  std::vector<GatedFfn> fused_experts(const std::string& prefix) {
+    const int64_t e = cfg_.num_experts, i = cfg_.moe_intermediate_size, h = cfg_.hidden_size;
+    const TensorView& gu = ck_.get(prefix + ".gate_up_proj");
+    const TensorView& dn = ck_.get(prefix + ".down_proj");
+    expect_shape(gu, {e, 2 * i, h}, "config.json (experts, 2 x moe_intermediate_size, hidden_size)");
+    expect_shape(dn, {e, h, i}, "config.json (experts, hidden_size, moe_intermediate_size)");
+    if (cfg_.quant.is_quantized() && cfg_.quant.quantizes(prefix))
+      fail(gu.where(), ": fused expert tensors are only supported unquantized");
+    auto f1 = dense_format(gu.dtype), f2 = dense_format(dn.dtype);
+    if (!f1) fail(gu.where(), ": expected F32, F16 or BF16, found ", dtype_name(gu.dtype));
+    if (!f2) fail(dn.where(), ": expected F32, F16 or BF16, found ", dtype_name(dn.dtype));
+    std::vector<GatedFfn> out(static_cast<size_t>(e));
+    const size_t es = dtype_size(gu.dtype), ds = dtype_size(dn.dtype);
+    for (int64_t x = 0; x < e; ++x) {
+      auto view = [&](Linear& l, const TensorView& t, WeightFormat f, size_t elem, int64_t rows, int64_t cols,
+                      size_t offset_elems, const char* what) {
+        l.name = cat(prefix, ".", x, ".", what);
+        l.out = rows;
+        l.in = cols;
+        l.format = f;
+        l.data = t.data + offset_elems * elem;
+      };
+      GatedFfn& g = out[size_t(x)];
+      view(g.gate, gu, *f1, es, i, h, size_t(x * 2 * i * h), "gate");
+      view(g.up, gu, *f1, es, i, h, size_t(x * 2 * i * h + i * h), "up");
+      view(g.down, dn, *f2, ds, h, i, size_t(x * h * i), "down");
+    }
+    return out;
+  }
+
+ private:
+  Linear nvfp4(const std::string& module, int64_t out, int64_t in) {
+    const QuantConfig& q = cfg_.quant;
+    const bool ct = q.method == QuantMethod::CompressedTensors;
+    const std::string wname = module + (ct ? ".weight_packed" : ".weight");
+    const TensorView* w = ck_.find(wname);
+    if (!w) {
+      if (const TensorView* plain = ck_.find(module + ".weight"))
+        fail(plain->where(), ": stored as ", dtype_name(plain->dtype), " but ", q.source,
+             " says this module is NVFP4 (is it missing from the exclude list?)");
+      fail(ck_.dir(), ": missing tensor '", wname, "' (NVFP4 module per ", q.source, ")");
+    }
+    if (in % kNvfp4Block != 0)
+      fail(w->where(), ": NVFP4 needs the input dimension to be a multiple of 16, but K = ", in);
+    if (w->dtype != DType::U8) {
+      if (dense_format(w->dtype))
+        fail(w->where(), ": stored as ", dtype_name(w->dtype), " but ", q.source,
+             " says this module is NVFP4 (is it missing from the exclude list?)");
+      fail(w->where(), ": NVFP4 codes must be U8, found ", dtype_name(w->dtype));
+    }
+    expect_shape(*w, {out, in / 2}, "config.json for packed NVFP4 (out, in/2)");
+    const TensorView& s = ck_.get(module + ".weight_scale");
+    if (s.dtype != DType::F8_E4M3) fail(s.where(), ": NVFP4 block scales must be F8_E4M3, found ", dtype_name(s.dtype));
+    expect_shape(s, {out, in / kNvfp4Block}, "config.json for NVFP4 block scales (out, in/16)");
+    Linear l;
+    l.name = module;
+    l.out = out;
+    l.in = in;
+    l.format = WeightFormat::NVFP4;
+    l.data = w->data;
+    l.scales = s.data;
+    if (ct) {
+      const TensorView& g = ck_.get(module + ".weight_global_scale");
+      const float global = read_scalar_f32(g);
+      if (!(global > 0)) fail(g.where(), ": global scale must be positive (it divides the weights)");
+      l.scale2 = 1.0f / global;
+      if (const TensorView* is = ck_.find(module + ".input_global_scale")) {
+        const float v = read_scalar_f32(*is);
+        l.input_scale = v > 0 ? 1.0f / v : 0.0f;
+      }
+    } else {
+      l.scale2 = read_scalar_f32(ck_.get(module + ".weight_scale_2"));
+      if (const TensorView* is = ck_.find(module + ".input_scale")) l.input_scale = read_scalar_f32(*is);
+    }
+    return l;
+  }
+
+  const Checkpoint& ck_;
+  const ModelConfig& cfg_;
+};
+
+}  // namespace
+
+std::unique_ptr<Model> load_model(const std::string& dir, bool progress) {
+  auto m = std::make_unique<Model>();
+  m->config = load_model_config(dir);
+  m->checkpoint = std::make_unique<Checkpoint>(dir);
+  const ModelConfig& c = m->config;
+  Loader ld(*m->checkpoint, c);
+  ModelWeights& w = m->weights;
+  const int64_t h = c.hidden_size, hd = c.head_dim;
+
+  w.embed = ld.dense("model.embed_tokens", "model.embed_tokens.weight", c.vocab_size, h);
+  w.final_norm = ld.vec("model.norm.weight", h);
+  if (c.tie_word_embeddings && !m->checkpoint->has("lm_head.weight")) {
+    w.lm_head = w.embed;
+    w.lm_head.name = "lm_head (tied to model.embed_tokens)";
+  } else {
+    w.lm_head = ld.dense("lm_head", "lm_head.weight", c.vocab_size, h);
+  }
+
+  w.layers.resize(size_t(c.num_layers));
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    LayerWeights& L = w.layers[size_t(i)];
+    const std::string p = cat("model.layers.", i, ".");
+    L.attn_norm = ld.vec(p + "input_layernorm.weight", h);
+    L.ffn_norm = ld.vec(p + "post_attention_layernorm.weight", h);
+    L.q = ld.linear(p + "self_attn.q_proj", c.num_heads * hd, h, c.qkv_bias);
+    L.k = ld.linear(p + "self_attn.k_proj", c.num_kv_heads * hd, h, c.qkv_bias);
+    L.v = ld.linear(p + "self_attn.v_proj", c.num_kv_heads * hd, h, c.qkv_bias);
+    L.o = ld.linear(p + "self_attn.o_proj", h, c.num_heads * hd, c.o_bias);
+    if (c.qk_norm) {
+      L.q_norm = ld.vec(p + "self_attn.q_norm.weight", hd);
+      L.k_norm = ld.vec(p + "self_attn.k_norm.weight", hd);
+    }
+    L.is_moe = c.is_moe_layer(i);
+    if (!L.is_moe) {
+      L.mlp = ld.ffn(p + "mlp", "gate_proj", "up_proj", "down_proj", c.intermediate_size);
+    } else {
+      const std::string mp = p + c.moe_prefix;
+      MoeWeights& moe = L.moe;
+      moe.router = ld.dense(mp + ".gate", mp + ".gate.weight", c.num_experts, h);
+      if (c.router == RouterKind::SigmoidBias) moe.correction_bias = ld.vec(mp + ".gate.e_score_correction_bias", c.num_experts);
+      if (m->checkpoint->has(mp + ".experts.gate_up_proj")) {
+        moe.experts = ld.fused_experts(mp + ".experts");
+      } else {
+        for (int64_t e = 0; e < c.num_experts; ++e)
+          moe.experts.push_back(ld.ffn(cat(mp, ".experts.", e), c.expert_gate, c.expert_up, c.expert_down,
+                                       c.moe_intermediate_size));
+      }
+      if (c.num_shared_experts > 0) {
+        moe.has_shared = true;
+        moe.shared = ld.ffn(mp + ".shared_experts", "gate_proj", "up_proj", "down_proj",
+                            c.moe_intermediate_size * c.num_shared_experts);
+      }
+    }
+    if (progress) std::fprintf(stderr, "\rloading layer %lld/%lld", (long long)i + 1, (long long)c.num_layers);
+  }
+  if (progress) std::fprintf(stderr, "\n");
+  return m;
+}
+
+StorageStats storage_stats(const Model& m) {
+  StorageStats s;
+  const ModelConfig& c = m.config;
+  auto add = [&](const Linear& l, bool touched) {
+    s.bytes[size_t(l.format)] += l.bytes();
+    s.linears[size_t(l.format)] += 1;
+    s.params += l.out * l.in;
+    if (touched) s.params_per_token += l.out * l.in;
+  };
+  auto add_ffn = [&](const GatedFfn& f, bool touched) {
+    add(f.gate, touched);
+    add(f.up, touched);
+    add(f.down, touched);
+  };
+  const ModelWeights& w = m.weights;
+  add(w.embed, false);
+  s.params_per_token += c.hidden_size;  // one embedding row
+  if (w.lm_head.data != w.embed.data) add(w.lm_head, true);
+  else s.params_per_token += c.vocab_size * c.hidden_size;
+  for (const auto& L : w.layers) {
+    for (const Linear* l : {&L.q, &L.k, &L.v, &L.o}) add(*l, true);
+    if (!L.is_moe) {
+      add_ffn(L.mlp, true);
+      continue;
+    }
+    add(L.moe.router, true);
+    int64_t per_expert = 0;
+    for (const auto& e : L.moe.experts) {
+      add_ffn(e, false);
+      per_expert = e.gate.out * e.gate.in * 3;
+    }
+    s.params_per_token += per_expert * c.experts_per_token;
+    if (L.moe.has_shared) add_ffn(L.moe.shared, true);
+  }
+  size_t total = 0, linear = 0;
+  for (const auto& [name, t] : m.checkpoint->tensors()) total += t->nbytes;
+  for (size_t b : s.bytes) linear += b;
+  s.other_bytes = total > linear ? total - linear : 0;
+  return s;
+}
+
+}  // namespace kestrel

@@ -1,0 +1,84 @@
+// The weights of a model as views into the mapped checkpoint, in their stored format. Nothing is
+// dequantized or copied at load except the small vectors (norms, biases), which become float.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "formats/checkpoint.h"
+#include "model/model_config.h"
+
+namespace kestrel {
+
+enum class WeightFormat : uint8_t { F32, F16, BF16, NVFP4 };
+const char* format_name(WeightFormat f);
+
+// A weight matrix W [out, in] applied as y = x W^T (+ bias). For NVFP4, `data` is the packed codes
+// [out, in/2], `scales` the E4M3 block scales [out, in/16] and `scale2` the per-tensor scale.
+struct Linear {
+  std::string name;  // module name, e.g. "model.layers.0.self_attn.q_proj"
+  int64_t out = 0, in = 0;
+  WeightFormat format = WeightFormat::BF16;
+  const uint8_t* data = nullptr;
+  const uint8_t* scales = nullptr;
+  float scale2 = 1.0f;
+  float input_scale = 0.0f;  // activation scale of W4A4 checkpoints; unused by weight-only compute
+  std::vector<float> bias;   // empty when the module has none
+
+  size_t row_bytes() const;   // stored bytes of one row (scales included)
+  size_t bytes() const;       // stored bytes of the whole matrix
+  void dequant_row(int64_t row, float* out_row) const;
+};
+
+// SiLU-gated feed-forward: down(silu(gate x) * up x). Dense MLPs, experts and shared experts.
+struct GatedFfn {
+  Linear gate, up, down;
+};
+
+struct MoeWeights {
+  Linear router;                       // [experts, hidden], never quantized
+  std::vector<float> correction_bias;  // sigmoid routers only
+  std::vector<GatedFfn> experts;
+  bool has_shared = false;
+  GatedFfn shared;
+};
+
+struct LayerWeights {
+  std::vector<float> attn_norm, ffn_norm;
+  Linear q, k, v, o;
+  std::vector<float> q_norm, k_norm;  // QK norm, over head_dim
+  bool is_moe = false;
+  GatedFfn mlp;  // dense layers
+  MoeWeights moe;
+};
+
+struct ModelWeights {
+  Linear embed;                      // [vocab, hidden]
+  std::vector<float> final_norm;
+  Linear lm_head;                    // [vocab, hidden]; a copy of embed's view when tied
+  std::vector<LayerWeights> layers;
+};
+
+// A loaded model: configuration, mapped checkpoint and the weight views into it.
+struct Model {
+  ModelConfig config;
+  std::unique_ptr<Checkpoint> checkpoint;
+  ModelWeights weights;
+};
+
+// Loads config and weights of a Hugging Face model folder, checking every tensor's presence,
+// dtype and shape against the configuration. `progress` prints one line per layer to stderr.
+std::unique_ptr<Model> load_model(const std::string& dir, bool progress = false);
+
+// Bytes of stored weights per format, and how many linears use each (for `inspect`).
+struct StorageStats {
+  size_t bytes[4] = {0, 0, 0, 0};
+  size_t linears[4] = {0, 0, 0, 0};
+  size_t other_bytes = 0;  // everything else in the checkpoint: norms, biases, scales of unused modules
+  int64_t params = 0;
+  int64_t params_per_token = 0;  // parameters one token touches (top-k experts only)
+};
+StorageStats storage_stats(const Model& m);
+
+}  // namespace kestrel

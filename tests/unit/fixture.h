@@ -1,0 +1,52 @@
+// Access to the committed fixtures: tiny random checkpoints with transformers' logits.
+#pragma once
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "formats/json_file.h"
+
+namespace kestrel::test {
+
+inline const std::vector<std::string>& fixture_names() {
+  static const std::vector<std::string> names = {
+      "llama-bf16",    "llama-nvfp4",    "qwen2-bf16",    "qwen2-nvfp4",    "qwen3-bf16",   "qwen3-nvfp4-ct",
+      "mixtral-bf16",  "mixtral-nvfp4",  "qwen3moe-bf16", "qwen3moe-nvfp4", "glm4moe-bf16", "glm4moe-nvfp4"};
+  return names;
+}
+
+inline std::string fixture_dir(const std::string& name) { return std::string(KESTREL_FIXTURES) + "/" + name; }
+
+struct Reference {
+  std::vector<int32_t> tokens;
+  int64_t vocab = 0;
+  std::vector<float> logits;  // [tokens, vocab]
+};
+
+inline Reference load_reference(const std::string& dir) {
+  const nlohmann::json j = read_json_file(dir + "/reference.json");
+  Reference r;
+  for (const auto& t : j.at("tokens")) r.tokens.push_back(t.get<int32_t>());
+  r.vocab = j.at("shape").at(1).get<int64_t>();
+  const std::string path = dir + "/" + j.at("logits").get<std::string>();
+  std::ifstream f(path, std::ios::binary);
+  r.logits.resize(r.tokens.size() * size_t(r.vocab));
+  f.read(reinterpret_cast<char*>(r.logits.data()), std::streamsize(r.logits.size() * 4));
+  if (!f) fail(path, ": short read");
+  return r;
+}
+
+// ||a - b|| / ||b|| over one row.
+inline double rel_l2(const float* a, const float* b, int64_t n) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+}  // namespace kestrel::test
