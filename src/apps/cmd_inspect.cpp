@@ -32,7 +32,7 @@ std::string human_count(double n) {
 
 Run add_inspect(CLI::App& app) {
   auto model = std::make_shared<std::string>();
-  app.add_option("--model", *model, "Hugging Face model folder")->required();
+  app.add_option("--model", *model, "Hugging Face model folder or .gguf file")->required();
   return [model]() {
     auto m = load_model(*model);
     const ModelConfig& c = m->config;
@@ -44,13 +44,17 @@ Run add_inspect(CLI::App& app) {
     std::printf("parameters        %s in linears (%s touched per token)\n", human_count(double(s.params)).c_str(),
                 human_count(double(s.params_per_token)).c_str());
     std::printf("storage\n");
-    for (int f = 0; f < 4; ++f)
+    for (int f = 0; f < kWeightFormatCount; ++f)
       if (s.linears[f])
         std::printf("  %-6s          %s in %zu matrices\n", format_name(WeightFormat(f)), human_bytes(double(s.bytes[f])).c_str(),
                     s.linears[f]);
     std::printf("  other           %s (norms, biases, router bias, scales)\n", human_bytes(double(s.other_bytes)).c_str());
-    std::printf("files             %zu safetensors, %zu tensors\n", m->checkpoint->file_count(),
-                m->checkpoint->tensors().size());
+    if (m->checkpoint)
+      std::printf("files             %zu safetensors, %zu tensors\n", m->checkpoint->file_count(),
+                  m->checkpoint->tensors().size());
+    if (m->gguf)
+      std::printf("files             1 GGUF (version %u), %zu tensors, %zu metadata keys\n", m->gguf->index().version(),
+                  m->gguf->index().tensors().size(), m->gguf->index().metadata().size());
     std::printf("eos token ids     ");
     for (size_t i = 0; i < c.eos_token_ids.size(); ++i) std::printf("%s%lld", i ? "," : "", (long long)c.eos_token_ids[i]);
     std::printf("\n");

@@ -2,12 +2,16 @@
 
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <iterator>
 
 #include "common/error.h"
 #include "common/numeric.h"
 #include "formats/nvfp4.h"
+#include "model/gguf_model.h"
 
 namespace kestrel {
+namespace fs = std::filesystem;
 
 const char* format_name(WeightFormat f) {
   switch (f) {
@@ -15,8 +19,43 @@ const char* format_name(WeightFormat f) {
     case WeightFormat::F16: return "F16";
     case WeightFormat::BF16: return "BF16";
     case WeightFormat::NVFP4: return "NVFP4";
+    case WeightFormat::Q8_0: return "Q8_0";
+    case WeightFormat::Q4_0: return "Q4_0";
+    case WeightFormat::Q4_1: return "Q4_1";
+    case WeightFormat::Q5_0: return "Q5_0";
+    case WeightFormat::Q5_1: return "Q5_1";
+    case WeightFormat::Q2_K: return "Q2_K";
+    case WeightFormat::Q3_K: return "Q3_K";
+    case WeightFormat::Q4_K: return "Q4_K";
+    case WeightFormat::Q5_K: return "Q5_K";
+    case WeightFormat::Q6_K: return "Q6_K";
   }
   return "?";
+}
+
+namespace {
+
+// GGUF block formats in WeightFormat order, starting at Q8_0.
+constexpr GgmlType kGgmlBlockTypes[] = {GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0,
+                                        GgmlType::Q5_1, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K,
+                                        GgmlType::Q5_K, GgmlType::Q6_K};
+constexpr int kFirstGgml = int(WeightFormat::Q8_0);
+static_assert(kFirstGgml + int(std::size(kGgmlBlockTypes)) == kWeightFormatCount);
+
+GgmlType ggml_type_of(WeightFormat f) { return kGgmlBlockTypes[int(f) - kFirstGgml]; }
+
+}  // namespace
+
+std::optional<WeightFormat> weight_format_of(GgmlType t) {
+  switch (t) {
+    case GgmlType::F32: return WeightFormat::F32;
+    case GgmlType::F16: return WeightFormat::F16;
+    case GgmlType::BF16: return WeightFormat::BF16;
+    default: break;
+  }
+  for (int k = 0; k < int(std::size(kGgmlBlockTypes)); ++k)
+    if (kGgmlBlockTypes[k] == t) return WeightFormat(kFirstGgml + k);
+  return std::nullopt;
 }
 
 size_t Linear::row_bytes() const {
@@ -25,8 +64,11 @@ size_t Linear::row_bytes() const {
     case WeightFormat::F16:
     case WeightFormat::BF16: return size_t(in) * 2;
     case WeightFormat::NVFP4: return size_t(in) / 2 + size_t(in) / kNvfp4Block;
+    default: {
+      const GgmlTypeInfo* t = ggml_type_info(uint32_t(ggml_type_of(format)));
+      return size_t(in) / t->block * t->bytes;
+    }
   }
-  return 0;
 }
 
 size_t Linear::bytes() const { return row_bytes() * size_t(out); }
@@ -57,6 +99,9 @@ void Linear::dequant_row(int64_t row, float* o) const {
     case WeightFormat::NVFP4:
       nvfp4_dequant_row(data + size_t(row) * size_t(in / 2), scales + size_t(row) * size_t(in / kNvfp4Block), scale2,
                         in, o);
+      return;
+    default:
+      ggml_dequant_row(ggml_type_of(format), data + size_t(row) * row_bytes(), in, o);
       return;
   }
 }
@@ -241,7 +286,19 @@ class Loader {
 
 }  // namespace
 
-std::unique_ptr<Model> load_model(const std::string& dir, bool progress) {
+std::unique_ptr<Model> load_model(const std::string& path, bool progress) {
+  if (fs::is_regular_file(path)) {
+    if (!is_gguf_file(path)) fail(path, ": not a GGUF file (give a .gguf file or a Hugging Face model folder)");
+    return load_gguf_model(path, progress);
+  }
+  const std::string& dir = path;
+  if (fs::is_directory(dir) && !fs::exists(fs::path(dir) / "config.json")) {
+    std::vector<std::string> ggufs;
+    for (const auto& e : fs::directory_iterator(dir))
+      if (e.is_regular_file() && e.path().extension() == ".gguf") ggufs.push_back(e.path().string());
+    if (ggufs.size() == 1) return load_gguf_model(ggufs[0], progress);
+    if (ggufs.size() > 1) fail(dir, ": no config.json and ", ggufs.size(), " .gguf files in this folder: name one");
+  }
   auto m = std::make_unique<Model>();
   m->config = load_model_config(dir);
   m->checkpoint = std::make_unique<Checkpoint>(dir);
@@ -335,7 +392,10 @@ StorageStats storage_stats(const Model& m) {
     if (L.moe.has_shared) add_ffn(L.moe.shared, true);
   }
   size_t total = 0, linear = 0;
-  for (const auto& [name, t] : m.checkpoint->tensors()) total += t->nbytes;
+  if (m.checkpoint)
+    for (const auto& [name, t] : m.checkpoint->tensors()) total += t->nbytes;
+  if (m.gguf)
+    for (const auto& t : m.gguf->index().tensors()) total += t.nbytes;
   for (size_t b : s.bytes) linear += b;
   s.other_bytes = total > linear ? total - linear : 0;
   return s;

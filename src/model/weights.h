@@ -3,19 +3,28 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "formats/checkpoint.h"
+#include "formats/ggml_quants.h"
+#include "formats/gguf.h"
 #include "model/model_config.h"
 
 namespace kestrel {
 
-enum class WeightFormat : uint8_t { F32, F16, BF16, NVFP4 };
+// The first four values are mirrored by the CUDA backend; GGUF block formats follow.
+enum class WeightFormat : uint8_t { F32, F16, BF16, NVFP4, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K };
+inline constexpr int kWeightFormatCount = 14;
 const char* format_name(WeightFormat f);
 
+// The WeightFormat of a ggml tensor type, if kestrel computes with it.
+std::optional<WeightFormat> weight_format_of(GgmlType t);
+
 // A weight matrix W [out, in] applied as y = x W^T (+ bias). For NVFP4, `data` is the packed codes
-// [out, in/2], `scales` the E4M3 block scales [out, in/16] and `scale2` the per-tensor scale.
+// [out, in/2], `scales` the E4M3 block scales [out, in/16] and `scale2` the per-tensor scale. For
+// the GGUF block formats, `data` holds each row as in/block ggml blocks (scales inside the blocks).
 struct Linear {
   std::string name;  // module name, e.g. "model.layers.0.self_attn.q_proj"
   int64_t out = 0, in = 0;
@@ -60,21 +69,25 @@ struct ModelWeights {
   std::vector<LayerWeights> layers;
 };
 
-// A loaded model: configuration, mapped checkpoint and the weight views into it.
+// A loaded model: configuration, the mapped weights (a Hugging Face folder or a GGUF file) and
+// the weight views into them.
 struct Model {
   ModelConfig config;
-  std::unique_ptr<Checkpoint> checkpoint;
+  std::unique_ptr<Checkpoint> checkpoint;  // Hugging Face folder; null for GGUF
+  std::unique_ptr<GgufFile> gguf;          // GGUF file; null for folders
+  std::vector<std::vector<uint8_t>> owned; // weights rewritten at load (GGUF llama Q/K rows)
   ModelWeights weights;
 };
 
-// Loads config and weights of a Hugging Face model folder, checking every tensor's presence,
-// dtype and shape against the configuration. `progress` prints one line per layer to stderr.
-std::unique_ptr<Model> load_model(const std::string& dir, bool progress = false);
+// Loads config and weights of a Hugging Face model folder, a .gguf file, or a folder holding one
+// .gguf file and no config.json, checking every tensor's presence, type and shape against the
+// configuration. `progress` prints one line per layer to stderr.
+std::unique_ptr<Model> load_model(const std::string& path, bool progress = false);
 
 // Bytes of stored weights per format, and how many linears use each (for `inspect`).
 struct StorageStats {
-  size_t bytes[4] = {0, 0, 0, 0};
-  size_t linears[4] = {0, 0, 0, 0};
+  size_t bytes[kWeightFormatCount] = {};
+  size_t linears[kWeightFormatCount] = {};
   size_t other_bytes = 0;  // everything else in the checkpoint: norms, biases, scales of unused modules
   int64_t params = 0;
   int64_t params_per_token = 0;  // parameters one token touches (top-k experts only)
