@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU suite, in one call on a machine with a GPU: build the CUDA code, run every GPU test
+# (each op against the CPU reference, every fixture family against CPU and transformers), then
+# benchmark decode on random-weight models of real shapes, and print a short table last.
+# Headers the GPU machine lacks come from .deps (scripts/gpu_deps.sh makes it). Results go to
+# $OUT (or ./out) as logs and JSON.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+BUILD=${BUILD:-build-gpu}
+if [ -d .deps/root ]; then
+  DEPS=$PWD/.deps/root
+  export CMAKE_PREFIX_PATH=$DEPS/usr
+  export PKG_CONFIG_PATH=$DEPS/usr/lib/x86_64-linux-gnu/pkgconfig:$DEPS/usr/share/pkgconfig
+  export PKG_CONFIG_SYSROOT_DIR=$DEPS
+  export CXXFLAGS="-isystem $DEPS/usr/include ${CXXFLAGS:-}"
+  export LD_LIBRARY_PATH=$DEPS/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKESTREL_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1 ||
+  { tail -30 "$OUT/build.log"; exit 1; }
+cmake --build "$BUILD" --target kestrel kestrel_gpu_tests -j "$(nproc)" >>"$OUT/build.log" 2>&1 ||
+  { grep -E "error" "$OUT/build.log" | head -30; exit 1; }
+
+set +e
+"$BUILD/tests/gpu/kestrel_gpu_tests" ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} >"$OUT/gpu_tests.log" 2>&1
+tests_rc=$?
+set -e
+grep -E "^\[  FAILED  \]|worst rel|Failure|Expected|Which is|actual" "$OUT/gpu_tests.log" | head -40 || true
+
+bench() {  # name, then kestrel bench arguments
+  local name=$1; shift
+  echo "== $name: kestrel bench $*" >>"$OUT/bench.txt"
+  "$BUILD/src/kestrel" bench "$@" --json "$OUT/bench_$name.json" 2>>"$OUT/bench.txt" | tee -a "$OUT/bench.txt"
+}
+if [ -z "${SKIP_BENCH:-}" ]; then
+  bench qwen3-30b-a3b --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,2,4,8 --context 1024 --steps 50 --ops
+  bench glm-4.5-air --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 30
+fi
+
+echo
+echo "== kestrel GPU suite =="
+printf "tests: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests.log" | tr '\n' ' ')"
+[ -f "$OUT/bench.txt" ] && grep -E "^== |^ *(batch|[0-9])|^  [a-z_]+ +[0-9]|^  total" "$OUT/bench.txt" | grep -v "random weights" || true
+exit $tests_rc

@@ -1,0 +1,223 @@
+// kestrel bench: decode steps on the GPU, timed with and without the CUDA graph, against the
+// floor (bytes the step must read / measured memory bandwidth).
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "apps/commands.h"
+#include "backend/cuda/check.h"
+#include "backend/cuda/decoder.h"
+#include "backend/cuda/device_model.h"
+#include "backend/cuda/op_timer.h"
+#include "formats/json_file.h"
+#include "model/weights.h"
+#include "plan/decode_cost.h"
+
+namespace kestrel::apps {
+namespace {
+
+struct Options {
+  std::string model, config;
+  bool random_weights = false;
+  std::string batches = "1,8";
+  int64_t context = 1024;
+  int steps = 100;
+  std::string json;
+  bool ops = false;
+};
+
+struct OpRow {
+  std::string name;
+  int calls = 0;
+  double bytes = 0;
+  std::vector<double> ms;  // per step
+};
+
+// Per-op times of `steps` plain-launch steps at batch B, summed per op name within a step;
+// the median over steps is reported.
+void print_ops(cuda::Decoder& dec, const ModelConfig& c, int B, int64_t context, int steps, double bw,
+               cudaStream_t s, nlohmann::json& out) {
+  cuda::OpTimer timer;
+  std::vector<OpRow> rows;
+  const double kv_per_layer = double(B) * double(context) * double(c.num_kv_heads * c.head_dim) * 2.0 * 4.0;
+  for (int i = 0; i < steps + 2; ++i) {
+    dec.step(B, s, &timer);
+    const auto ops = timer.finish();
+    if (i < 2) continue;  // warm-up
+    std::vector<double> step_ms(rows.size(), 0.0);
+    for (const auto& o : ops) {
+      auto it = std::find_if(rows.begin(), rows.end(), [&](const OpRow& r) { return r.name == o.name; });
+      if (it == rows.end()) {
+        rows.push_back({o.name});
+        step_ms.push_back(0.0);
+        it = rows.end() - 1;
+      }
+      const size_t k = size_t(it - rows.begin());
+      step_ms[k] += o.ms;
+      if (i == 2) {
+        it->calls += 1;
+        it->bytes += o.bytes + (o.name == "attention" ? kv_per_layer : 0.0);
+      }
+    }
+    for (size_t k = 0; k < rows.size(); ++k) rows[k].ms.push_back(step_ms[k]);
+  }
+  double total = 0;
+  for (auto& r : rows) {
+    std::sort(r.ms.begin(), r.ms.end());
+    total += r.ms[r.ms.size() / 2];
+  }
+  std::printf("  per op at batch %d (plain launches, an event after each op; median of %d steps)\n", B, steps);
+  std::printf("  %-14s %6s %10s %8s %10s %10s %9s\n", "op", "calls", "time us", "share", "MB", "floor us", "x floor");
+  for (const auto& r : rows) {
+    const double ms = r.ms[r.ms.size() / 2], floor_us = r.bytes / bw * 1e6;
+    std::printf("  %-14s %6d %10.1f %7.1f%% %10.2f %10.1f %9.1f\n", r.name.c_str(), r.calls, ms * 1e3,
+                100.0 * ms / total, r.bytes / 1e6, floor_us, floor_us > 0 ? ms * 1e3 / floor_us : 0.0);
+    out.push_back({{"op", r.name}, {"batch", B}, {"calls", r.calls}, {"us", ms * 1e3}, {"bytes", r.bytes},
+                   {"floor_us", floor_us}});
+  }
+  std::printf("  %-14s %6s %10.1f\n", "total", "", total * 1e3);
+}
+
+// Device-to-device copy of 4 GiB: bytes read + written over time (the bandwidth ceiling).
+double measure_bandwidth() {
+  const size_t n = size_t(2) << 30;
+  void *a, *b;
+  KESTREL_CUDA_CHECK(cudaMalloc(&a, n));
+  KESTREL_CUDA_CHECK(cudaMalloc(&b, n));
+  KESTREL_CUDA_CHECK(cudaMemset(a, 1, n));
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  std::vector<float> ms;
+  for (int i = 0; i < 6; ++i) {
+    cudaEventRecord(e0);
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice));
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float t;
+    cudaEventElapsedTime(&t, e0, e1);
+    if (i) ms.push_back(t);
+  }
+  cudaFree(a);
+  cudaFree(b);
+  std::sort(ms.begin(), ms.end());
+  return 2.0 * double(n) / (double(ms[ms.size() / 2]) * 1e-3);
+}
+
+std::vector<int> parse_list(const std::string& s) {
+  std::vector<int> v;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    try {
+      v.push_back(std::stoi(item));
+    } catch (const std::exception&) {
+      fail("--batch: '", item, "' is not a number");
+    }
+    if (v.back() < 1 || v.back() > 256) fail("--batch: ", v.back(), " is outside 1..256");
+  }
+  return v;
+}
+
+ModelConfig config_from_file(const std::string& path) {
+  const nlohmann::json j = read_json_file(path);
+  ModelConfig c = parse_model_config(j, path);
+  c.quant = load_quant_config(std::filesystem::path(path).parent_path().string(), j, path);
+  return c;
+}
+
+}  // namespace
+
+Run add_bench(CLI::App& app) {
+  auto o = std::make_shared<Options>();
+  app.add_option("--model", o->model, "Model folder (its weights are uploaded)");
+  app.add_option("--config", o->config, "config.json whose shapes get random weights (with --random-weights)");
+  app.add_flag("--random-weights", o->random_weights, "Fill the model's shapes with random weights on the GPU");
+  app.add_option("--batch", o->batches, "Batch sizes, comma-separated (default 1,8)");
+  app.add_option("--context", o->context, "Positions already in each sequence's KV cache (default 1024)");
+  app.add_option("--steps", o->steps, "Timed decode steps per batch size (default 100)");
+  app.add_option("--json", o->json, "Also write the results as JSON to this file");
+  app.add_flag("--ops", o->ops, "Also time every op of the step and compare each with its floor");
+  return [o]() {
+    if (o->model.empty() == o->config.empty()) fail("bench: give either --model DIR or --config FILE --random-weights");
+    if (!o->config.empty() && !o->random_weights) fail("bench: --config needs --random-weights");
+    if (o->steps < 1) fail("bench: --steps must be positive");
+    const std::vector<int> batches = parse_list(o->batches);
+    std::unique_ptr<Model> host;
+    std::unique_ptr<cuda::DeviceModel> dm;
+    if (!o->model.empty() && !o->random_weights) {
+      host = load_model(o->model, true);
+      dm = cuda::DeviceModel::upload(*host);
+    } else {
+      dm = cuda::DeviceModel::random(o->model.empty() ? config_from_file(o->config) : load_model_config(o->model));
+    }
+    const ModelConfig& c = dm->config();
+    const double bw = measure_bandwidth();
+    std::printf("model: %s, %lld layers, weights %.2f GiB on the GPU\n", c.architecture.c_str(),
+                (long long)c.num_layers, double(dm->bytes()) / (1ull << 30));
+    std::printf("measured copy bandwidth: %.0f GB/s (4 GiB device-to-device, read + write)\n", bw / 1e9);
+    std::printf("%6s %9s %11s %11s %9s %8s %9s %10s\n", "batch", "context", "graph ms", "no-graph ms", "floor ms",
+                "x floor", "tok/s", "launches");
+    nlohmann::json results = nlohmann::json::array();
+    const int max_batch = *std::max_element(batches.begin(), batches.end());
+    const int cap = int(o->context) + o->steps * 2 + 8;
+    cuda::Decoder dec(*dm, max_batch, cap);
+    cudaStream_t s;
+    KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    for (int B : batches) {
+      std::vector<int32_t> tok(static_cast<size_t>(B)), pos(static_cast<size_t>(B), int32_t(o->context));
+      for (int b = 0; b < B; ++b) tok[size_t(b)] = int32_t((b * 7919) % c.vocab_size);
+      auto reset = [&] {
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.tokens(), tok.data(), size_t(B) * 4, cudaMemcpyHostToDevice, s));
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.positions(), pos.data(), size_t(B) * 4, cudaMemcpyHostToDevice, s));
+      };
+      auto time = [&](bool graph) {
+        reset();
+        for (int i = 0; i < 3; ++i) graph ? dec.step_graph(B, true, s) : dec.step(B, s);  // warm-up
+        reset();
+        cudaEventRecord(e0, s);
+        for (int i = 0; i < o->steps; ++i) graph ? dec.step_graph(B, true, s) : dec.step(B, s);
+        cudaEventRecord(e1, s);
+        KESTREL_CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms;
+        cudaEventElapsedTime(&ms, e0, e1);
+        return double(ms) / o->steps;
+      };
+      const double g = time(true), ng = time(false);
+      const DecodeCost cost = decode_cost(c, B, o->context, 4.0);
+      const double floor_ms = cost.total() / bw * 1e3;
+      std::printf("%6d %9lld %11.3f %11.3f %9.3f %8.2f %9.0f %10d\n", B, (long long)o->context, g, ng, floor_ms,
+                  g / floor_ms, B * 1e3 / g, dec.launches_per_step());
+      nlohmann::json parts = nlohmann::json::object();
+      for (const auto& [name, bytes] : cost.parts()) parts[name] = bytes;
+      results.push_back({{"batch", B}, {"context", o->context}, {"graph_ms", g}, {"no_graph_ms", ng},
+                         {"floor_ms", floor_ms}, {"bytes_per_step", cost.total()}, {"bytes", parts},
+                         {"bandwidth_gbs", bw / 1e9}, {"launches", dec.launches_per_step()}});
+    }
+    nlohmann::json ops = nlohmann::json::array();
+    if (o->ops)
+      for (int B : batches) {
+        std::vector<int32_t> tok(static_cast<size_t>(B), 1), pos(static_cast<size_t>(B), int32_t(o->context));
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.tokens(), tok.data(), size_t(B) * 4, cudaMemcpyHostToDevice, s));
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.positions(), pos.data(), size_t(B) * 4, cudaMemcpyHostToDevice, s));
+        print_ops(dec, c, B, o->context, 10, bw, s, ops);
+      }
+    if (!o->json.empty()) {
+      results = {{"steps", results}, {"ops", ops}};
+      FILE* f = std::fopen(o->json.c_str(), "w");
+      if (!f) fail(o->json, ": cannot open for writing");
+      std::fputs(results.dump(2).c_str(), f);
+      std::fclose(f);
+    }
+    return 0;
+  };
+}
+
+}  // namespace kestrel::apps

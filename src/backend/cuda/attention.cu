@@ -1,0 +1,131 @@
+#include <cfloat>
+
+#include "backend/cuda/attention.h"
+#include "backend/cuda/check.h"
+
+namespace kestrel::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kMaxHd = 256;
+constexpr int kUnroll = 4;  // positions whose keys are loaded before the first is used
+
+// Split-K decode attention (flash-decoding): block (head, sequence, split) covers positions
+// [split * chunk, (split + 1) * chunk) of that sequence; each warp keeps an online softmax over
+// its share and the block writes one partial (max, sum, weighted values) per split.
+template <int kPer>
+__global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const float* __restrict__ q, int nq, int nkv,
+                                                                       int hd, float scale, int chunk,
+                                                                       const int32_t* __restrict__ positions,
+                                                                       KvLayer cache, float* __restrict__ part) {
+  __shared__ float s_m[kWarps], s_l[kWarps], s_acc[kWarps][kPer * 32];
+  const int h = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int kvh = h / (nq / nkv), len = positions[b] + 1;
+  const int begin = split * chunk, end = min(len, begin + chunk);
+  const float* qv = q + (size_t(b) * nq + h) * hd;
+  float qr[kPer], acc[kPer];
+  #pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int d = lane + 32 * i;
+    qr[i] = d < hd ? qv[d] * scale : 0.0f;
+    acc[i] = 0.0f;
+  }
+  float m = -FLT_MAX, l = 0.0f;
+  const size_t stride = size_t(nkv) * hd;
+  const float* kbase = cache.k + size_t(b) * cache.seq_stride + size_t(kvh) * hd;
+  const float* vbase = cache.v + size_t(b) * cache.seq_stride + size_t(kvh) * hd;
+  for (int p0 = begin + warp * kUnroll; p0 < end; p0 += kWarps * kUnroll) {
+    float kr[kUnroll][kPer], vr[kUnroll][kPer];
+    #pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int p = p0 + u;
+      #pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int d = lane + 32 * i;
+        const bool ok = p < end && d < hd;
+        kr[u][i] = ok ? kbase[p * stride + d] : 0.0f;
+        vr[u][i] = ok ? vbase[p * stride + d] : 0.0f;
+      }
+    }
+    #pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (p0 + u >= end) break;
+      float sdot = 0.0f;
+      #pragma unroll
+      for (int i = 0; i < kPer; ++i) sdot = fmaf(qr[i], kr[u][i], sdot);
+      #pragma unroll
+      for (int o = 16; o > 0; o >>= 1) sdot += __shfl_xor_sync(0xffffffffu, sdot, o);
+      const float mn = fmaxf(m, sdot), corr = __expf(m - mn), pw = __expf(sdot - mn);
+      l = l * corr + pw;
+      #pragma unroll
+      for (int i = 0; i < kPer; ++i) acc[i] = fmaf(pw, vr[u][i], acc[i] * corr);
+      m = mn;
+    }
+  }
+  if (lane == 0) s_m[warp] = m, s_l[warp] = l;
+  #pragma unroll
+  for (int i = 0; i < kPer; ++i) s_acc[warp][lane + 32 * i] = acc[i];
+  __syncthreads();
+  if (warp != 0) return;
+  float M = -FLT_MAX;
+  for (int w = 0; w < kWarps; ++w) M = fmaxf(M, s_m[w]);
+  float L = 0.0f;
+  for (int w = 0; w < kWarps; ++w) L += s_l[w] * __expf(s_m[w] - M);
+  // Partial layout: [b][h][split][hd + 2] = weighted values, then max and sum.
+  float* out = part + ((size_t(b) * nq + h) * splits + split) * (hd + 2);
+  #pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int d = lane + 32 * i;
+    if (d >= hd) continue;
+    float t = 0.0f;
+    for (int w = 0; w < kWarps; ++w) t += s_acc[w][d] * __expf(s_m[w] - M);
+    out[d] = t;
+  }
+  if (lane == 0) out[hd] = M, out[hd + 1] = L;
+}
+
+__global__ void attention_combine_kernel(const float* __restrict__ part, int nq, int hd, int splits,
+                                         float* __restrict__ out) {
+  const int h = blockIdx.x, b = blockIdx.y;
+  const float* p = part + (size_t(b) * nq + h) * splits * (hd + 2);
+  float M = -FLT_MAX;
+  for (int s = 0; s < splits; ++s) M = fmaxf(M, p[s * (hd + 2) + hd]);
+  float L = 0.0f;
+  for (int s = 0; s < splits; ++s) L += p[s * (hd + 2) + hd + 1] * __expf(p[s * (hd + 2) + hd] - M);
+  const float inv = 1.0f / L;
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float t = 0.0f;
+    for (int s = 0; s < splits; ++s) t += p[s * (hd + 2) + d] * __expf(p[s * (hd + 2) + hd] - M);
+    out[(size_t(b) * nq + h) * hd + d] = t * inv;
+  }
+}
+
+}  // namespace
+
+AttentionSplit attention_split(int max_context) {
+  AttentionSplit s;
+  s.splits = std::min(64, std::max(1, (max_context + 63) / 64));
+  s.chunk = (max_context + s.splits - 1) / s.splits;
+  return s;
+}
+
+void launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, float scale,
+                             const int32_t* positions, KvLayer cache, const AttentionSplit& split, float* scratch,
+                             float* out, cudaStream_t s) {
+  if (hd > kMaxHd) fail("CUDA decode attention supports head_dim up to ", kMaxHd, ", got ", hd);
+  const dim3 grid(unsigned(nq), unsigned(batch), unsigned(split.splits));
+  if (hd <= 32)
+    attention_partial_kernel<1><<<grid, kWarps * 32, 0, s>>>(q, nq, nkv, hd, scale, split.chunk, positions, cache, scratch);
+  else if (hd <= 64)
+    attention_partial_kernel<2><<<grid, kWarps * 32, 0, s>>>(q, nq, nkv, hd, scale, split.chunk, positions, cache, scratch);
+  else if (hd <= 128)
+    attention_partial_kernel<4><<<grid, kWarps * 32, 0, s>>>(q, nq, nkv, hd, scale, split.chunk, positions, cache, scratch);
+  else
+    attention_partial_kernel<8><<<grid, kWarps * 32, 0, s>>>(q, nq, nkv, hd, scale, split.chunk, positions, cache, scratch);
+  KESTREL_CUDA_LAUNCHED();
+  attention_combine_kernel<<<dim3(unsigned(nq), unsigned(batch)), 128, 0, s>>>(scratch, nq, hd, split.splits, out);
+  KESTREL_CUDA_LAUNCHED();
+}
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,29 @@
+// Decode attention: one new query per sequence against that sequence's cached keys/values,
+// split over the sequence (flash-decoding) so that long contexts fill the GPU.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/norm_rope.h"
+
+namespace kestrel::cuda {
+
+// How the positions are cut: `splits` blocks per (head, sequence), `chunk` positions each.
+// Fixed for a given capacity so that one captured graph serves every length up to it.
+struct AttentionSplit {
+  int splits = 1, chunk = 1;
+};
+AttentionSplit attention_split(int max_context);
+
+// Floats of scratch the split needs: batch * nq * splits * (hd + 2).
+inline size_t attention_scratch_floats(int batch, int nq, int hd, const AttentionSplit& s) {
+  return size_t(batch) * size_t(nq) * size_t(s.splits) * size_t(hd + 2);
+}
+
+// q: [B, nq, hd]; sequence b attends to positions 0..positions[b]. out: [B, nq, hd].
+void launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, float scale,
+                             const int32_t* positions, KvLayer cache, const AttentionSplit& split, float* scratch,
+                             float* out, cudaStream_t s);
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,60 @@
+// One decode step on the GPU for a batch of sequences: embedding, every layer, the LM head and
+// greedy sampling, all on one stream with no host synchronization, so that the whole step is
+// captured once per batch size as a CUDA graph and replayed. Each replay also advances
+// tokens (to the sampled ones) and positions, so replays generate tokens back to back.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <map>
+#include <vector>
+
+#include "backend/cuda/attention.h"
+#include "backend/cuda/device_model.h"
+#include "backend/cuda/norm_rope.h"
+#include "backend/cuda/op_timer.h"
+
+namespace kestrel::cuda {
+
+class Decoder {
+ public:
+  Decoder(const DeviceModel& model, int max_batch, int max_context);
+  ~Decoder();
+  Decoder(const Decoder&) = delete;
+  Decoder& operator=(const Decoder&) = delete;
+
+  // Inputs: token and position of each sequence (device arrays of max_batch entries).
+  int32_t* tokens() { return tokens_; }
+  int32_t* positions() { return positions_; }
+  // Outputs of the last step: logits [batch, vocab] and greedy next tokens [batch].
+  const float* logits() const { return logits_; }
+  const int32_t* next() const { return next_; }
+
+  // Enqueues one step (kernels launched one by one) on the stream. With a timer, an event
+  // follows every op (see OpTimer).
+  void step(int batch, cudaStream_t s, OpTimer* timer = nullptr);
+  // The same step through the CUDA graph for this batch size (captured on first use); when
+  // `advance`, the graph ends by copying next -> tokens and incrementing positions.
+  void step_graph(int batch, bool advance, cudaStream_t s);
+  // Kernel launches in one step (for the report).
+  int launches_per_step() const { return launches_; }
+
+  int max_batch() const { return max_batch_; }
+  int max_context() const { return max_context_; }
+  KvLayer kv(int layer) const;
+
+ private:
+  void advance(int batch, cudaStream_t s);
+  template <typename T>
+  T* buffer(size_t n);
+
+  const DeviceModel& m_;
+  int max_batch_, max_context_, launches_ = 0;
+  std::vector<void*> buffers_;
+  float *x_, *xn_, *q_, *k_, *v_, *att_, *act_, *logits_, *kv_k_, *kv_v_, *att_scratch_;
+  AttentionSplit split_;
+  int32_t *tokens_, *positions_, *next_;
+  MoeScratch moe_;
+  std::map<std::pair<int, bool>, cudaGraphExec_t> graphs_;
+};
+
+}  // namespace kestrel::cuda

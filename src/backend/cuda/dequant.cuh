@@ -1,0 +1,216 @@
+// Device-side dot products of one weight row with activation vectors, per storage format.
+// A warp shares a row: lane l takes the 16-weight blocks l, l+32, ... and the caller reduces.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "backend/cuda/dlinear.h"
+
+namespace kestrel::cuda {
+
+__device__ __forceinline__ float e4m3_to_float(uint8_t v) {
+  __nv_fp8_e4m3 s;
+  s.__x = v;
+  return float(s);
+}
+
+// Two E2M1 codes (one byte, low nibble first) as FP16 values scaled by 2^-14: the 3 magnitude
+// bits land in the FP16 exponent/mantissa so that subnormals come out right too.
+__device__ __forceinline__ float2 e2m1x2_scaled(uint32_t byte) {
+  const uint32_t lo = ((byte & 0x7u) << 9) | ((byte & 0x8u) << 12);
+  const uint32_t hi = ((byte & 0x70u) << 5) | ((byte & 0x80u) << 8);
+  const uint32_t bits = lo | (hi << 16);
+  __half2 h = *reinterpret_cast<const __half2*>(&bits);
+  return __half22float2(h);
+}
+constexpr float kE2M1Unscale = 16384.0f;  // 2^14
+
+// Rows per warp for a batch of B: each x value loaded is used for R rows, which is what keeps
+// the loads of x from L1 below the weight stream; fewer rows for larger batches bound registers.
+template <int B>
+__host__ __device__ constexpr int rows_per_warp() {
+  return B <= 2 ? 4 : (B <= 4 ? 2 : 1);
+}
+
+// Partial dot products of rows row0 .. row0+R-1 (clamped to the matrix) with B activation rows
+// x[b * ldx ...]. Lane l takes the 8-weight groups l, l + 32, ...: its codes (4 bytes), scales and
+// x values are contiguous across the warp. acc[r][b] += partial; the caller reduces the warp.
+// NVFP4 lanes take 32-weight groups instead (16 bytes of codes per load).
+// `first`/`step` split K between the warps of a block: this warp takes groups first + lane,
+// first + lane + step, ... (first = warp * 32, step = 32 * warps); one warp alone: 0 and 32.
+template <int R, int B>
+__device__ __forceinline__ void rows_dot_partial(const DLinear& W, int row0, const float* __restrict__ x, int ldx,
+                                                 int lane, float (&acc)[R][B], int first = 0, int step = 32) {
+  const int K = W.in;
+  int rows[R];
+  #pragma unroll
+  for (int r = 0; r < R; ++r) rows[r] = min(row0 + r, W.out - 1);
+  if (W.format == DFormat::NVFP4) {
+    const float unscale = kE2M1Unscale * W.scale2;
+    // Main part: 32-weight groups, 16 bytes of codes per lane and row, so that enough bytes are
+    // in flight to cover memory latency; x is read 8 weights at a time to bound registers.
+    const int groups32 = (K % 32) == 0 ? K / 32 : 0;
+    #pragma unroll 1
+    for (int g = first + lane; g < groups32; g += step) {
+      uint4 c[R];
+      uint32_t sc[R];
+      #pragma unroll
+      for (int r = 0; r < R; ++r) {
+        c[r] = __ldg(reinterpret_cast<const uint4*>(W.data + size_t(rows[r]) * (K / 2)) + g);
+        sc[r] = __ldg(reinterpret_cast<const uint16_t*>(W.scales + size_t(rows[r]) * (K / 16)) + g);
+      }
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float xv[B][8];
+        #pragma unroll
+        for (int b = 0; b < B; ++b) {
+          const float4 a = *reinterpret_cast<const float4*>(x + size_t(b) * ldx + 32 * g + 8 * i);
+          const float4 d = *reinterpret_cast<const float4*>(x + size_t(b) * ldx + 32 * g + 8 * i + 4);
+          xv[b][0] = a.x, xv[b][1] = a.y, xv[b][2] = a.z, xv[b][3] = a.w;
+          xv[b][4] = d.x, xv[b][5] = d.y, xv[b][6] = d.z, xv[b][7] = d.w;
+        }
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const uint32_t word = i == 0 ? c[r].x : i == 1 ? c[r].y : i == 2 ? c[r].z : c[r].w;
+          const float s = e4m3_to_float(uint8_t(sc[r] >> (8 * (i / 2)))) * unscale;
+          float w[8];
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 p = e2m1x2_scaled((word >> (8 * j)) & 0xffu);
+            w[2 * j] = p.x, w[2 * j + 1] = p.y;
+          }
+          #pragma unroll
+          for (int b = 0; b < B; ++b) {
+            float part = 0.0f;
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) part = fmaf(w[j], xv[b][j], part);
+            acc[r][b] = fmaf(part, s, acc[r][b]);
+          }
+        }
+      }
+    }
+    // K % 32 == 16 (rows not 16-byte aligned): 16-weight blocks, 8 bytes of codes per load.
+    #pragma unroll 1
+    for (int blk = (K % 32) == 0 ? K / 16 : first + lane; blk < K / 16; blk += step) {
+      #pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint2 c = __ldg(reinterpret_cast<const uint2*>(W.data + size_t(rows[r]) * (K / 2)) + blk);
+        const float s = e4m3_to_float(__ldg(W.scales + size_t(rows[r]) * (K / 16) + blk)) * unscale;
+        #pragma unroll
+        for (int b = 0; b < B; ++b) {
+          float part = 0.0f;
+          #pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float2 p = e2m1x2_scaled(((j < 4 ? c.x : c.y) >> (8 * (j & 3))) & 0xffu);
+            part = fmaf(p.x, x[size_t(b) * ldx + 16 * blk + 2 * j], part);
+            part = fmaf(p.y, x[size_t(b) * ldx + 16 * blk + 2 * j + 1], part);
+          }
+          acc[r][b] = fmaf(part, s, acc[r][b]);
+        }
+      }
+    }
+    return;
+  }
+  if (W.format == DFormat::BF16 && K % 8 == 0) {
+    #pragma unroll 2
+    for (int g = first + lane; g < K / 8; g += step) {
+      float xv[B][8];
+      #pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const float4 a = *reinterpret_cast<const float4*>(x + size_t(b) * ldx + 8 * g);
+        const float4 c = *reinterpret_cast<const float4*>(x + size_t(b) * ldx + 8 * g + 4);
+        xv[b][0] = a.x, xv[b][1] = a.y, xv[b][2] = a.z, xv[b][3] = a.w;
+        xv[b][4] = c.x, xv[b][5] = c.y, xv[b][6] = c.z, xv[b][7] = c.w;
+      }
+      #pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(W.data + size_t(rows[r]) * K * 2) + g);
+        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
+        float w[8];
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(p[i]);
+          w[2 * i] = f.x, w[2 * i + 1] = f.y;
+        }
+        #pragma unroll
+        for (int b = 0; b < B; ++b)
+          #pragma unroll
+          for (int i = 0; i < 8; ++i) acc[r][b] = fmaf(w[i], xv[b][i], acc[r][b]);
+      }
+    }
+    return;
+  }
+  // F32, F16 and BF16 rows whose length is not a multiple of 8: rare, one element per lane step.
+  #pragma unroll
+  for (int r = 0; r < R; ++r)
+    for (int k = first + lane; k < K; k += step) {
+      const size_t i = size_t(rows[r]) * K + k;
+      const float wf = W.format == DFormat::F32    ? reinterpret_cast<const float*>(W.data)[i]
+                       : W.format == DFormat::F16 ? __half2float(reinterpret_cast<const __half*>(W.data)[i])
+                                                  : __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(W.data)[i]);
+      #pragma unroll
+      for (int b = 0; b < B; ++b) acc[r][b] = fmaf(wf, x[size_t(b) * ldx + k], acc[r][b]);
+    }
+}
+
+// One row (routing logits, tests).
+template <int B>
+__device__ __forceinline__ void row_dot_partial(const DLinear& W, int row, const float* __restrict__ x, int ldx,
+                                                int lane, float (&acc)[B]) {
+  float a[1][B];
+  #pragma unroll
+  for (int b = 0; b < B; ++b) a[0][b] = 0.0f;
+  rows_dot_partial<1, B>(W, row, x, ldx, lane, a);
+  #pragma unroll
+  for (int b = 0; b < B; ++b) acc[b] += a[0][b];
+}
+
+template <int B>
+__device__ __forceinline__ void warp_sum(float (&v)[B]) {
+  #pragma unroll
+  for (int b = 0; b < B; ++b)
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v[b] += __shfl_xor_sync(0xffffffffu, v[b], o);
+}
+
+template <int R, int B>
+__device__ __forceinline__ void warp_sum(float (&v)[R][B]) {
+  #pragma unroll
+  for (int r = 0; r < R; ++r) warp_sum<B>(v[r]);
+}
+
+// Sums v over each group of `ks` consecutive warps in warp order (deterministic); the result is
+// valid in the first lane of the group's first warp. `red` holds warps * R * B floats.
+template <int R, int B>
+__device__ __forceinline__ void group_sum(float (&v)[R][B], float* red, int ks) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  warp_sum<R, B>(v);
+  if (ks == 1) return;
+  if (lane == 0)
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+      #pragma unroll
+      for (int b = 0; b < B; ++b) red[(warp * R + r) * B + b] = v[r][b];
+  __syncthreads();
+  if (lane == 0 && warp % ks == 0)
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+      #pragma unroll
+      for (int b = 0; b < B; ++b) {
+        float t = 0.0f;
+        for (int w = warp; w < warp + ks; ++w) t += red[(w * R + r) * B + b];
+        v[r][b] = t;
+      }
+}
+
+// Warps that share one row group so that every lane has work: a row of K weights has K/32
+// NVFP4 groups (K/8 for other formats), one per lane. A power of two in 1..8.
+__host__ __device__ inline int warps_per_row(const DLinear& W) {
+  const int groups = W.format == DFormat::NVFP4 ? W.in / 32 : W.in / 8;
+  int ks = 1;
+  while (ks < 8 && ks * 32 < groups) ks *= 2;
+  return ks;
+}
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,264 @@
+#include <cmath>
+#include <cstdio>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/device_model.h"
+#include "common/numeric.h"
+
+namespace kestrel::cuda {
+namespace {
+
+__device__ __forceinline__ uint32_t hash32(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return uint32_t(x);
+}
+
+__global__ void fill_bytes_kernel(uint8_t* p, size_t n, uint64_t seed) {
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = uint8_t(hash32(seed * 0x9E3779B97F4A7C15ull + i));
+}
+
+__global__ void fill_const_kernel(uint8_t* p, size_t n, uint8_t v) {
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) p[i] = v;
+}
+
+// Uniform in [-a, a] as BF16.
+__global__ void fill_bf16_kernel(uint16_t* p, size_t n, float a, uint64_t seed) {
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float u = float(hash32(seed * 0x9E3779B97F4A7C15ull + i)) * (2.0f / 4294967296.0f) - 1.0f;
+    const float v = u * a;
+    uint32_t bits = __float_as_uint(v);
+    p[i] = uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  }
+}
+
+uint8_t nearest_e4m3(float v) {
+  uint8_t best = 0;
+  for (int b = 0; b < 0x7f; ++b)
+    if (std::fabs(e4m3_to_f32(uint8_t(b)) - v) < std::fabs(e4m3_to_f32(best) - v)) best = uint8_t(b);
+  return best;
+}
+
+}  // namespace
+
+DeviceModel::~DeviceModel() {
+  for (void* p : allocations_) cudaFree(p);
+}
+
+void* DeviceModel::alloc(size_t bytes) {
+  void* p = nullptr;
+  if (bytes == 0) bytes = 16;
+  cudaError_t e = cudaMalloc(&p, bytes);
+  if (e != cudaSuccess)
+    fail("out of GPU memory: ", bytes >> 20, " MiB more needed after ", bytes_ >> 20, " MiB of weights (",
+         cudaGetErrorString(e), ")");
+  allocations_.push_back(p);
+  bytes_ += bytes;
+  return p;
+}
+
+const float* DeviceModel::floats(const std::vector<float>& v) {
+  if (v.empty()) return nullptr;
+  void* p = alloc(v.size() * 4);
+  KESTREL_CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+  return static_cast<const float*>(p);
+}
+
+DLinear DeviceModel::put(const Linear& l) {
+  if (uint8_t(l.format) > uint8_t(WeightFormat::NVFP4))
+    fail(l.name, ": the CUDA backend reads F32, F16, BF16 and NVFP4 weights, not ", format_name(l.format));
+  DLinear d;
+  d.out = int32_t(l.out);
+  d.in = int32_t(l.in);
+  d.format = DFormat(uint8_t(l.format));
+  if (l.format == WeightFormat::NVFP4) {
+    const size_t codes = size_t(l.out) * size_t(l.in / 2), scales = size_t(l.out) * size_t(l.in / 16);
+    void* p = alloc(codes);
+    KESTREL_CUDA_CHECK(cudaMemcpy(p, l.data, codes, cudaMemcpyHostToDevice));
+    void* s = alloc(scales);
+    KESTREL_CUDA_CHECK(cudaMemcpy(s, l.scales, scales, cudaMemcpyHostToDevice));
+    d.data = static_cast<const uint8_t*>(p);
+    d.scales = static_cast<const uint8_t*>(s);
+    d.scale2 = l.scale2;
+  } else {
+    const size_t n = l.row_bytes() * size_t(l.out);
+    void* p = alloc(n);
+    KESTREL_CUDA_CHECK(cudaMemcpy(p, l.data, n, cudaMemcpyHostToDevice));
+    d.data = static_cast<const uint8_t*>(p);
+  }
+  d.bias = floats(l.bias);
+  return d;
+}
+
+const DLinear* DeviceModel::put_array(const std::vector<DLinear>& v) {
+  void* p = alloc(v.size() * sizeof(DLinear));
+  KESTREL_CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(DLinear), cudaMemcpyHostToDevice));
+  return static_cast<const DLinear*>(p);
+}
+
+// Random weights of about unit activation scale: NVFP4 codes uniform over all 16 values with one
+// block scale for the whole matrix, BF16 uniform in +-sqrt(3/in).
+DLinear DeviceModel::make_random(int out, int in, bool nvfp4, uint64_t seed) {
+  DLinear d;
+  d.out = out;
+  d.in = in;
+  const size_t n = size_t(out) * size_t(in);
+  if (nvfp4) {
+    if (in % 16 != 0) fail("random NVFP4 weights need in % 16 == 0, got ", in);
+    d.format = DFormat::NVFP4;
+    auto* codes = static_cast<uint8_t*>(alloc(n / 2));
+    auto* scales = static_cast<uint8_t*>(alloc(n / 16));
+    fill_bytes_kernel<<<1024, 256>>>(codes, n / 2, seed);
+    // E2M1 codes uniform over 16 values have variance ~7.4; scale to variance 1/in.
+    fill_const_kernel<<<1024, 256>>>(scales, n / 16, nearest_e4m3(float(1.0 / std::sqrt(7.4 * in))));
+    KESTREL_CUDA_LAUNCHED();
+    d.data = codes;
+    d.scales = scales;
+    d.scale2 = 1.0f;
+  } else {
+    d.format = DFormat::BF16;
+    auto* w = static_cast<uint16_t*>(alloc(n * 2));
+    fill_bf16_kernel<<<1024, 256>>>(w, n, float(std::sqrt(3.0 / in)), seed);
+    KESTREL_CUDA_LAUNCHED();
+    d.data = reinterpret_cast<const uint8_t*>(w);
+  }
+  return d;
+}
+
+std::unique_ptr<DeviceModel> DeviceModel::upload(const Model& m) {
+  std::unique_ptr<DeviceModel> d(new DeviceModel(m.config));
+  const ModelConfig& c = m.config;
+  const ModelWeights& w = m.weights;
+  d->embed_ = d->put(w.embed);
+  d->lm_head_ = w.lm_head.data == w.embed.data ? d->embed_ : d->put(w.lm_head);
+  d->final_norm_ = d->floats(w.final_norm);
+  d->inv_freq_ = d->floats(c.rope.inv_freq());
+  for (const LayerWeights& L : w.layers) {
+    DLayer l;
+    l.attn_norm = d->floats(L.attn_norm);
+    l.ffn_norm = d->floats(L.ffn_norm);
+    l.q = d->put(L.q);
+    l.k = d->put(L.k);
+    l.v = d->put(L.v);
+    l.o = d->put(L.o);
+    l.q_norm = d->floats(L.q_norm);
+    l.k_norm = d->floats(L.k_norm);
+    l.is_moe = L.is_moe;
+    if (!L.is_moe) {
+      l.gate = d->put(L.mlp.gate);
+      l.up = d->put(L.mlp.up);
+      l.down = d->put(L.mlp.down);
+    } else {
+      DMoe& moe = l.moe;
+      moe.router.w = d->put(L.moe.router);
+      moe.router.bias = d->floats(L.moe.correction_bias);
+      moe.router.experts = int(c.num_experts);
+      moe.router.top_k = int(c.experts_per_token);
+      moe.router.sigmoid = c.router == RouterKind::SigmoidBias;
+      moe.router.norm_topk = c.norm_topk_prob;
+      moe.router.n_group = int(c.n_group);
+      moe.router.topk_group = int(c.topk_group);
+      moe.router.scaling = c.routed_scaling_factor;
+      std::vector<DLinear> g, u, dn;
+      for (const GatedFfn& e : L.moe.experts) {
+        g.push_back(d->put(e.gate));
+        u.push_back(d->put(e.up));
+        dn.push_back(d->put(e.down));
+      }
+      moe.gate = d->put_array(g);
+      moe.up = d->put_array(u);
+      moe.down = d->put_array(dn);
+      d->expert_bytes_.push_back(g[0].bytes() + u[0].bytes() + dn[0].bytes());
+      moe.width = int(c.moe_intermediate_size);
+      moe.has_shared = L.moe.has_shared;
+      if (L.moe.has_shared) {
+        moe.shared_gate = d->put(L.moe.shared.gate);
+        moe.shared_up = d->put(L.moe.shared.up);
+        moe.shared_down = d->put(L.moe.shared.down);
+      }
+    }
+    if (!l.is_moe) d->expert_bytes_.push_back(0);
+    d->layers_.push_back(l);
+  }
+  return d;
+}
+
+std::unique_ptr<DeviceModel> DeviceModel::random(const ModelConfig& c, uint64_t seed) {
+  std::unique_ptr<DeviceModel> d(new DeviceModel(c));
+  const int H = int(c.hidden_size), hd = int(c.head_dim);
+  uint64_t s = seed;
+  auto lin = [&](const std::string& name, int out, int in) { return d->make_random(out, in, c.quant.quantizes(name), ++s); };
+  d->embed_ = d->make_random(int(c.vocab_size), H, false, ++s);
+  d->lm_head_ = c.tie_word_embeddings ? d->embed_ : d->make_random(int(c.vocab_size), H, false, ++s);
+  const std::vector<float> ones(size_t(std::max<int64_t>(H, hd)), 1.0f);
+  d->final_norm_ = d->floats(std::vector<float>(size_t(H), 1.0f));
+  d->inv_freq_ = d->floats(c.rope.inv_freq());
+  const float* norm_h = d->floats(std::vector<float>(size_t(H), 1.0f));
+  const float* norm_hd = d->floats(std::vector<float>(size_t(hd), 1.0f));
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    DLayer l;
+    l.attn_norm = l.ffn_norm = norm_h;
+    l.q = lin(p + "self_attn.q_proj", int(c.num_heads) * hd, H);
+    l.k = lin(p + "self_attn.k_proj", int(c.num_kv_heads) * hd, H);
+    l.v = lin(p + "self_attn.v_proj", int(c.num_kv_heads) * hd, H);
+    l.o = lin(p + "self_attn.o_proj", H, int(c.num_heads) * hd);
+    if (c.qkv_bias) {
+      l.q.bias = d->floats(std::vector<float>(size_t(l.q.out), 0.0f));
+      l.k.bias = d->floats(std::vector<float>(size_t(l.k.out), 0.0f));
+      l.v.bias = d->floats(std::vector<float>(size_t(l.v.out), 0.0f));
+    }
+    if (c.qk_norm) l.q_norm = l.k_norm = norm_hd;
+    l.is_moe = c.is_moe_layer(i);
+    if (!l.is_moe) {
+      const int I = int(c.intermediate_size);
+      l.gate = lin(p + "mlp.gate_proj", I, H);
+      l.up = lin(p + "mlp.up_proj", I, H);
+      l.down = lin(p + "mlp.down_proj", H, I);
+    } else {
+      DMoe& moe = l.moe;
+      const int E = int(c.num_experts), I = int(c.moe_intermediate_size);
+      moe.router.w = d->make_random(E, H, false, ++s);
+      if (c.router == RouterKind::SigmoidBias) moe.router.bias = d->floats(std::vector<float>(size_t(E), 0.0f));
+      moe.router.experts = E;
+      moe.router.top_k = int(c.experts_per_token);
+      moe.router.sigmoid = c.router == RouterKind::SigmoidBias;
+      moe.router.norm_topk = c.norm_topk_prob;
+      moe.router.n_group = int(c.n_group);
+      moe.router.topk_group = int(c.topk_group);
+      moe.router.scaling = c.routed_scaling_factor;
+      std::vector<DLinear> g, u, dn;
+      const std::string ep = p + c.moe_prefix + ".experts.";
+      for (int e = 0; e < E; ++e) {
+        g.push_back(lin(ep + std::to_string(e) + "." + c.expert_gate, I, H));
+        u.push_back(lin(ep + std::to_string(e) + "." + c.expert_up, I, H));
+        dn.push_back(lin(ep + std::to_string(e) + "." + c.expert_down, H, I));
+      }
+      moe.gate = d->put_array(g);
+      moe.up = d->put_array(u);
+      moe.down = d->put_array(dn);
+      d->expert_bytes_.push_back(g[0].bytes() + u[0].bytes() + dn[0].bytes());
+      moe.width = I;
+      moe.has_shared = c.num_shared_experts > 0;
+      if (moe.has_shared) {
+        const int S = I * int(c.num_shared_experts);
+        moe.shared_gate = lin(p + "mlp.shared_experts.gate_proj", S, H);
+        moe.shared_up = lin(p + "mlp.shared_experts.up_proj", S, H);
+        moe.shared_down = lin(p + "mlp.shared_experts.down_proj", H, S);
+      }
+    }
+    if (!l.is_moe) d->expert_bytes_.push_back(0);
+    d->layers_.push_back(l);
+    std::fprintf(stderr, "\rrandom weights: layer %lld/%lld, %.1f GiB", (long long)i + 1, (long long)c.num_layers,
+                 double(d->bytes_) / (1ull << 30));
+  }
+  std::fprintf(stderr, "\n");
+  KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+  return d;
+}
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,63 @@
+// A model's weights in GPU memory, in their stored formats, as kernel descriptors. Made either
+// by uploading a loaded checkpoint or by filling the shapes of a configuration with random
+// values on the GPU (benchmarks of models too large to download).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "backend/cuda/dlinear.h"
+#include "backend/cuda/moe.h"
+#include "model/model_config.h"
+#include "model/weights.h"
+
+namespace kestrel::cuda {
+
+struct DLayer {
+  const float* attn_norm = nullptr;
+  const float* ffn_norm = nullptr;
+  DLinear q, k, v, o;
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
+  bool is_moe = false;
+  DLinear gate, up, down;  // dense layers
+  DMoe moe;
+};
+
+class DeviceModel {
+ public:
+  static std::unique_ptr<DeviceModel> upload(const Model& m);
+  static std::unique_ptr<DeviceModel> random(const ModelConfig& c, uint64_t seed = 1);
+  ~DeviceModel();
+  DeviceModel(const DeviceModel&) = delete;
+  DeviceModel& operator=(const DeviceModel&) = delete;
+
+  const ModelConfig& config() const { return config_; }
+  const std::vector<DLayer>& layers() const { return layers_; }
+  const DLinear& embed() const { return embed_; }
+  const DLinear& lm_head() const { return lm_head_; }
+  const float* final_norm() const { return final_norm_; }
+  const float* rope_inv_freq() const { return inv_freq_; }
+  uint64_t bytes() const { return bytes_; }  // device memory held by the weights
+  // Stored bytes of one routed expert (gate + up + down) of MoE layer i; 0 for dense layers.
+  uint64_t expert_bytes(size_t layer) const { return expert_bytes_.at(layer); }
+
+ private:
+  explicit DeviceModel(const ModelConfig& c) : config_(c) {}
+  void* alloc(size_t bytes);
+  const float* floats(const std::vector<float>& v);
+  DLinear put(const Linear& l);
+  DLinear make_random(int out, int in, bool nvfp4, uint64_t seed);
+  const DLinear* put_array(const std::vector<DLinear>& v);
+
+  ModelConfig config_;
+  std::vector<void*> allocations_;
+  uint64_t bytes_ = 0;
+  std::vector<DLayer> layers_;
+  DLinear embed_, lm_head_;
+  const float* final_norm_ = nullptr;
+  const float* inv_freq_ = nullptr;
+  std::vector<uint64_t> expert_bytes_;
+};
+
+}  // namespace kestrel::cuda

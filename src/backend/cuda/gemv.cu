@@ -1,0 +1,141 @@
+#include "backend/cuda/check.h"
+#include "backend/cuda/dequant.cuh"
+#include "backend/cuda/gemv.h"
+
+namespace kestrel::cuda {
+namespace {
+
+constexpr int kWarps = 8;
+
+struct Jobs {
+  LinearJob j[3];
+  int n;
+  int ks[3];      // warps per row group of each job (warps_per_row)
+  int blocks[3];  // blocks of each job
+  int blocks_total;
+};
+
+// A block holds kWarps / ks row groups of R rows; the ks warps of a group split K and their
+// partial sums are added in warp order, so that all lanes have work and results are exact
+// functions of the inputs.
+template <int B>
+__global__ void __launch_bounds__(kWarps * 32) linear_kernel(Jobs jobs, const float* __restrict__ x, int accumulate) {
+  constexpr int R = rows_per_warp<B>();
+  __shared__ float red[kWarps * R * B];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int blk = blockIdx.x, j = 0;
+  while (blk >= jobs.blocks[j]) blk -= jobs.blocks[j++];
+  const DLinear& W = jobs.j[j].w;
+  const int ks = jobs.ks[j];
+  const int row0 = (blk * (kWarps / ks) + warp / ks) * R;
+  float acc[R][B];
+  #pragma unroll
+  for (int r = 0; r < R; ++r)
+    #pragma unroll
+    for (int b = 0; b < B; ++b) acc[r][b] = 0.0f;
+  if (row0 < W.out) rows_dot_partial<R, B>(W, row0, x, W.in, lane, acc, (warp % ks) * 32, ks * 32);
+  group_sum<R, B>(acc, red, ks);
+  if (lane == 0 && warp % ks == 0) {
+    float* y = jobs.j[j].y;
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int row = row0 + r;
+      if (row >= W.out) break;
+      const float bias = W.bias ? W.bias[row] : 0.0f;
+      #pragma unroll
+      for (int b = 0; b < B; ++b) {
+        float* p = y + size_t(b) * W.out + row;
+        *p = (accumulate ? *p : 0.0f) + acc[r][b] + bias;
+      }
+    }
+  }
+}
+
+template <int B>
+__global__ void __launch_bounds__(kWarps * 32) gated_kernel(DLinear gate, DLinear up, int ks, const float* __restrict__ x,
+                                                            float* __restrict__ out) {
+  constexpr int R = rows_per_warp<B>();
+  __shared__ float red[kWarps * R * B];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row0 = (blockIdx.x * (kWarps / ks) + warp / ks) * R;
+  float g[R][B], u[R][B];
+  #pragma unroll
+  for (int r = 0; r < R; ++r)
+    #pragma unroll
+    for (int b = 0; b < B; ++b) g[r][b] = u[r][b] = 0.0f;
+  if (row0 < gate.out) {
+    rows_dot_partial<R, B>(gate, row0, x, gate.in, lane, g, (warp % ks) * 32, ks * 32);
+    rows_dot_partial<R, B>(up, row0, x, up.in, lane, u, (warp % ks) * 32, ks * 32);
+  }
+  group_sum<R, B>(g, red, ks);
+  __syncthreads();
+  group_sum<R, B>(u, red, ks);
+  if (lane == 0 && warp % ks == 0) {
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int row = row0 + r;
+      if (row >= gate.out) break;
+      #pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const float gv = g[r][b] + (gate.bias ? gate.bias[row] : 0.0f), uv = u[r][b] + (up.bias ? up.bias[row] : 0.0f);
+        out[size_t(b) * gate.out + row] = gv / (1.0f + __expf(-gv)) * uv;
+      }
+    }
+  }
+}
+
+template <typename F>
+void by_batch(int batch, F&& f) {
+  switch (batch) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    default: fail("internal: batch ", batch, " outside 1..8");
+  }
+}
+
+}  // namespace
+
+void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, bool accumulate, cudaStream_t s) {
+  if (njobs < 1 || njobs > 3) fail("internal: launch_linear takes 1 to 3 jobs");
+  for (int b0 = 0; b0 < batch; b0 += 8) {
+    const int nb = std::min(8, batch - b0);
+    const float* xb = x + size_t(b0) * jobs[0].w.in;
+    by_batch(nb, [&](auto B) {
+      constexpr int R = rows_per_warp<B()>();
+      Jobs J{};
+      J.n = njobs;
+      for (int i = 0; i < njobs; ++i) {
+        J.j[i] = jobs[i];
+        J.j[i].y = jobs[i].y + size_t(b0) * jobs[i].w.out;
+        J.ks[i] = warps_per_row(jobs[i].w);
+        const int rows_per_block = (kWarps / J.ks[i]) * R;
+        J.blocks[i] = (jobs[i].w.out + rows_per_block - 1) / rows_per_block;
+        J.blocks_total += J.blocks[i];
+      }
+      const unsigned grid = unsigned(J.blocks_total);
+      linear_kernel<B()><<<grid, kWarps * 32, 0, s>>>(J, xb, accumulate ? 1 : 0);
+    });
+    KESTREL_CUDA_LAUNCHED();
+  }
+}
+
+void launch_gated(const DLinear& gate, const DLinear& up, const float* x, int batch, float* out, cudaStream_t s) {
+  for (int b0 = 0; b0 < batch; b0 += 8) {
+    const int nb = std::min(8, batch - b0);
+    by_batch(nb, [&](auto B) {
+      constexpr int R = rows_per_warp<B()>();
+      const int ks = warps_per_row(gate), rows_per_block = (kWarps / ks) * R;
+      const unsigned grid = unsigned((gate.out + rows_per_block - 1) / rows_per_block);
+      gated_kernel<B()><<<grid, kWarps * 32, 0, s>>>(gate, up, ks, x + size_t(b0) * gate.in, out + size_t(b0) * gate.out);
+    });
+    KESTREL_CUDA_LAUNCHED();
+  }
+}
+
+}  // namespace kestrel::cuda

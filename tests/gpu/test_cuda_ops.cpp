@@ -1,0 +1,368 @@
+// Every CUDA op against the CPU reference on fresh random inputs. Outputs are poisoned with NaN
+// before each run so an element a kernel does not write fails the check.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+
+#include "backend/cpu/attention.h"
+#include "backend/cpu/linear.h"
+#include "backend/cpu/moe.h"
+#include "backend/cpu/ops.h"
+#include "backend/cuda/attention.h"
+#include "backend/cuda/gemv.h"
+#include "backend/cuda/misc.h"
+#include "backend/cuda/moe.h"
+#include "backend/cuda/norm_rope.h"
+#include "common/numeric.h"
+#include "device_buffer.h"
+
+namespace kestrel {
+namespace {
+
+using test::DeviceBuffer;
+
+constexpr double kTol = 1e-5;  // float32 with a different summation order
+
+// A random weight matrix held on the host (CPU view) and on the device.
+struct RandomLinear {
+  std::vector<uint8_t> data, scales;
+  std::vector<float> bias;
+  Linear host;
+  std::unique_ptr<DeviceBuffer<uint8_t>> d_data, d_scales;
+  std::unique_ptr<DeviceBuffer<float>> d_bias;
+  cuda::DLinear dev;
+
+  RandomLinear(int out, int in, WeightFormat f, std::mt19937& rng, bool with_bias = false) {
+    host.out = out;
+    host.in = in;
+    host.format = f;
+    std::uniform_int_distribution<int> byte(0, 255);
+    std::normal_distribution<float> nd(0.0f, 1.0f / std::sqrt(float(in)));
+    if (f == WeightFormat::NVFP4) {
+      data.resize(size_t(out) * in / 2);
+      scales.resize(size_t(out) * in / 16);
+      for (auto& b : data) b = uint8_t(byte(rng));
+      std::uniform_int_distribution<int> sc(0x20, 0x38);  // E4M3 0.0156 .. 1.0
+      for (auto& s : scales) s = uint8_t(sc(rng));
+      host.scale2 = 0.37f;
+    } else if (f == WeightFormat::BF16) {
+      data.resize(size_t(out) * in * 2);
+      for (size_t i = 0; i < size_t(out) * in; ++i) {
+        const uint16_t h = f32_to_bf16(nd(rng));
+        std::memcpy(&data[2 * i], &h, 2);
+      }
+    } else {
+      data.resize(size_t(out) * in * 4);
+      for (size_t i = 0; i < size_t(out) * in; ++i) {
+        const float v = nd(rng);
+        std::memcpy(&data[4 * i], &v, 4);
+      }
+    }
+    host.data = data.data();
+    host.scales = scales.empty() ? nullptr : scales.data();
+    if (with_bias) host.bias = test::random_floats(size_t(out), rng, 0.1f);
+    d_data = std::make_unique<DeviceBuffer<uint8_t>>(data);
+    dev.out = out;
+    dev.in = in;
+    dev.format = cuda::DFormat(uint8_t(f));
+    dev.data = d_data->get();
+    dev.scale2 = host.scale2;
+    if (!scales.empty()) {
+      d_scales = std::make_unique<DeviceBuffer<uint8_t>>(scales);
+      dev.scales = d_scales->get();
+    }
+    if (with_bias) {
+      d_bias = std::make_unique<DeviceBuffer<float>>(host.bias);
+      dev.bias = d_bias->get();
+    }
+  }
+};
+
+struct LinearCase {
+  WeightFormat format;
+  int out, in, batch;
+};
+
+class LinearTest : public ::testing::TestWithParam<LinearCase> {};
+
+TEST_P(LinearTest, MatchesCpu) {
+  const auto p = GetParam();
+  std::mt19937 rng(1234 + p.out + p.in + p.batch);
+  RandomLinear W(p.out, p.in, p.format, rng, true);
+  const auto x = test::random_floats(size_t(p.batch) * p.in, rng);
+  std::vector<float> ref(size_t(p.batch) * p.out);
+  ThreadPool pool(1);
+  cpu::linear(W.host, x.data(), p.batch, ref.data(), pool);
+
+  DeviceBuffer<float> dx(x), dy(ref.size());
+  dy.poison();
+  const cuda::LinearJob job{W.dev, dy.get()};
+  cuda::launch_linear(&job, 1, dx.get(), p.batch, false, nullptr);
+  EXPECT_LE(test::rel_err(dy.download(), ref), kTol);
+
+  // Accumulate mode adds onto what is there.
+  const auto base = test::random_floats(ref.size(), rng);
+  dy.upload(base);
+  cuda::launch_linear(&job, 1, dx.get(), p.batch, true, nullptr);
+  std::vector<float> ref2(ref.size());
+  for (size_t i = 0; i < ref.size(); ++i) ref2[i] = base[i] + ref[i];
+  EXPECT_LE(test::rel_err(dy.download(), ref2), kTol);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, LinearTest,
+    ::testing::Values(LinearCase{WeightFormat::NVFP4, 64, 16, 1}, LinearCase{WeightFormat::NVFP4, 300, 2048, 1},
+                      LinearCase{WeightFormat::NVFP4, 129, 784, 3}, LinearCase{WeightFormat::NVFP4, 512, 1536, 8},
+                      LinearCase{WeightFormat::NVFP4, 77, 4096, 11}, LinearCase{WeightFormat::BF16, 300, 2048, 1},
+                      LinearCase{WeightFormat::BF16, 129, 776, 5}, LinearCase{WeightFormat::BF16, 33, 20, 2},
+                      LinearCase{WeightFormat::F32, 65, 96, 4}));
+
+TEST(CudaOps, ThreeJobsInOneLaunch) {
+  std::mt19937 rng(7);
+  RandomLinear a(128, 256, WeightFormat::NVFP4, rng, true), b(32, 256, WeightFormat::NVFP4, rng, true),
+      c(32, 256, WeightFormat::BF16, rng, true);
+  const int B = 2;
+  const auto x = test::random_floats(size_t(B) * 256, rng);
+  DeviceBuffer<float> dx(x), ya(size_t(B) * 128), yb(size_t(B) * 32), yc(size_t(B) * 32);
+  ya.poison(), yb.poison(), yc.poison();
+  const cuda::LinearJob jobs[3] = {{a.dev, ya.get()}, {b.dev, yb.get()}, {c.dev, yc.get()}};
+  cuda::launch_linear(jobs, 3, dx.get(), B, false, nullptr);
+  ThreadPool pool(1);
+  for (auto [w, y] : {std::pair{&a, &ya}, std::pair{&b, &yb}, std::pair{&c, &yc}}) {
+    std::vector<float> ref(size_t(B) * w->host.out);
+    cpu::linear(w->host, x.data(), B, ref.data(), pool);
+    EXPECT_LE(test::rel_err(y->download(), ref), kTol);
+  }
+}
+
+TEST(CudaOps, GatedMatchesCpu) {
+  std::mt19937 rng(11);
+  for (int B : {1, 4, 9}) {
+    RandomLinear g(96, 512, WeightFormat::NVFP4, rng), u(96, 512, WeightFormat::NVFP4, rng);
+    const auto x = test::random_floats(size_t(B) * 512, rng);
+    ThreadPool pool(1);
+    std::vector<float> gr(size_t(B) * 96), ur(gr.size()), ref(gr.size());
+    cpu::linear(g.host, x.data(), B, gr.data(), pool);
+    cpu::linear(u.host, x.data(), B, ur.data(), pool);
+    cpu::silu_mul(gr.data(), ur.data(), int64_t(gr.size()), ref.data());
+    DeviceBuffer<float> dx(x), out(ref.size());
+    out.poison();
+    cuda::launch_gated(g.dev, u.dev, dx.get(), B, out.get(), nullptr);
+    EXPECT_LE(test::rel_err(out.download(), ref), kTol) << "batch " << B;
+  }
+}
+
+TEST(CudaOps, RmsNorm) {
+  std::mt19937 rng(3);
+  const int rows = 5, n = 1000;
+  const auto x = test::random_floats(size_t(rows) * n, rng, 3.0f), w = test::random_floats(n, rng);
+  std::vector<float> ref(x.size());
+  cpu::rms_norm(x.data(), w.data(), rows, n, 1e-6f, ref.data());
+  DeviceBuffer<float> dx(x), dw(w), out(x.size());
+  out.poison();
+  cuda::launch_rms_norm(dx.get(), dw.get(), rows, n, 1e-6f, out.get(), nullptr);
+  EXPECT_LE(test::rel_err(out.download(), ref), kTol);
+}
+
+// Builds a ModelConfig for router tests.
+ModelConfig router_config(bool sigmoid, int E, int K, int groups, int topk_groups, bool norm) {
+  ModelConfig c;
+  c.num_experts = E;
+  c.experts_per_token = K;
+  c.router = sigmoid ? RouterKind::SigmoidBias : RouterKind::Softmax;
+  c.n_group = groups;
+  c.topk_group = topk_groups;
+  c.norm_topk_prob = norm;
+  c.routed_scaling_factor = sigmoid ? 2.5f : 1.0f;
+  return c;
+}
+
+cuda::DRouter device_router(const ModelConfig& c, const cuda::DLinear& w, const float* bias) {
+  cuda::DRouter r;
+  r.w = w;
+  r.bias = bias;
+  r.experts = int(c.num_experts);
+  r.top_k = int(c.experts_per_token);
+  r.sigmoid = c.router == RouterKind::SigmoidBias;
+  r.norm_topk = c.norm_topk_prob;
+  r.n_group = int(c.n_group);
+  r.topk_group = int(c.topk_group);
+  r.scaling = c.routed_scaling_factor;
+  return r;
+}
+
+TEST(CudaOps, RoutingMatchesCpu) {
+  std::mt19937 rng(5);
+  const int H = 128, B = 7;
+  for (const ModelConfig& c : {router_config(false, 128, 8, 1, 1, true), router_config(false, 60, 4, 1, 1, false),
+                               router_config(true, 64, 6, 8, 3, true), router_config(true, 16, 2, 1, 1, true)}) {
+    RandomLinear w(int(c.num_experts), H, WeightFormat::BF16, rng);
+    const auto bias = test::random_floats(size_t(c.num_experts), rng, 0.1f);
+    const auto x = test::random_floats(size_t(B) * H, rng);
+    std::vector<float> logits(size_t(B) * c.num_experts);
+    ThreadPool pool(1);
+    cpu::linear(w.host, x.data(), B, logits.data(), pool);
+    const cpu::Routing ref = cpu::route(c, logits.data(), B, bias);
+    DeviceBuffer<float> dx(x), dbias(bias), dw(size_t(B) * c.experts_per_token), dl(size_t(B) * c.num_experts);
+    DeviceBuffer<int32_t> de(size_t(B) * c.experts_per_token);
+    dw.poison();
+    cuda::launch_route(device_router(c, w.dev, dbias.get()), dx.get(), B, dl.get(), de.get(), dw.get(), nullptr);
+    const auto ge = de.download();
+    const auto gw = dw.download();
+    for (int b = 0; b < B; ++b)
+      for (int j = 0; j < c.experts_per_token; ++j) {
+        const size_t i = size_t(b) * c.experts_per_token + j;
+        EXPECT_EQ(ge[i], ref.experts[i]) << "token " << b << " slot " << j;
+        EXPECT_NEAR(gw[i], ref.weights[i], 1e-5f) << "token " << b << " slot " << j;
+      }
+  }
+}
+
+TEST(CudaOps, MoeMatchesCpu) {
+  std::mt19937 rng(9);
+  const int H = 96, I = 48, E = 16, K = 4;
+  for (bool shared : {false, true}) {
+    ModelConfig c = router_config(shared, E, K, shared ? 4 : 1, shared ? 2 : 1, true);
+    c.hidden_size = H;
+    c.moe_intermediate_size = I;
+    c.num_shared_experts = shared ? 1 : 0;
+    std::vector<std::unique_ptr<RandomLinear>> keep;
+    auto make = [&](int out, int in) {
+      keep.push_back(std::make_unique<RandomLinear>(out, in, WeightFormat::NVFP4, rng));
+      return keep.back().get();
+    };
+    MoeWeights mw;
+    RandomLinear* router = make(E, H);
+    router->host.format = WeightFormat::NVFP4;
+    mw.router = router->host;
+    mw.correction_bias = test::random_floats(E, rng, 0.1f);
+    std::vector<cuda::DLinear> dg, du, dd;
+    for (int e = 0; e < E; ++e) {
+      RandomLinear *g = make(I, H), *u = make(I, H), *d = make(H, I);
+      mw.experts.push_back({g->host, u->host, d->host});
+      dg.push_back(g->dev), du.push_back(u->dev), dd.push_back(d->dev);
+    }
+    cuda::DMoe dm;
+    if (shared) {
+      RandomLinear *g = make(I, H), *u = make(I, H), *d = make(H, I);
+      mw.has_shared = true;
+      mw.shared = {g->host, u->host, d->host};
+      dm.has_shared = 1;
+      dm.shared_gate = g->dev, dm.shared_up = u->dev, dm.shared_down = d->dev;
+    }
+    DeviceBuffer<cuda::DLinear> bg(dg.size()), bu(du.size()), bd(dd.size());
+    bg.upload(dg), bu.upload(du), bd.upload(dd);
+    DeviceBuffer<float> dbias(mw.correction_bias);
+    dm.router = device_router(c, router->dev, dbias.get());
+    dm.gate = bg.get(), dm.up = bu.get(), dm.down = bd.get();
+    dm.width = I;
+    for (int B : {1, 3, 8}) {
+      const auto x = test::random_floats(size_t(B) * H, rng);
+      const auto resid = test::random_floats(size_t(B) * H, rng);
+      std::vector<float> out(size_t(B) * H);
+      ThreadPool pool(1);
+      cpu::moe_forward(c, mw, x.data(), B, out.data(), pool);
+      for (size_t i = 0; i < out.size(); ++i) out[i] += resid[i];
+      DeviceBuffer<float> dx(x), dr(resid);
+      DeviceBuffer<int32_t> se(size_t(B) * K);
+      DeviceBuffer<float> sw(size_t(B) * K), sa(size_t(B) * (K + 1) * I), sl(size_t(B) * E);
+      sa.poison();
+      cuda::MoeScratch s{se.get(), sw.get(), sa.get(), I, sl.get()};
+      cuda::launch_moe(dm, dx.get(), B, dr.get(), s, nullptr);
+      EXPECT_LE(test::rel_err(dr.download(), out), 1e-5) << (shared ? "shared, " : "") << "batch " << B;
+    }
+  }
+}
+
+TEST(CudaOps, QkRopeAttentionMatchCpu) {
+  std::mt19937 rng(13);
+  struct Case {
+    int nq, nkv, hd, rot;
+    bool norm, interleaved;
+  };
+  for (const Case& cs : {Case{8, 2, 64, 64, true, false}, Case{4, 4, 128, 64, false, false},
+                         Case{6, 2, 16, 8, true, true}, Case{2, 1, 256, 256, false, false}}) {
+    const int B = 3, cap = 70;
+    const std::vector<int32_t> pos = {0, 17, 69};
+    RopeConfig rc;
+    rc.theta = 10000.0;
+    rc.rotary_dim = cs.rot;
+    rc.interleaved = cs.interleaved;
+    cpu::RopeTables tables(rc);
+    const auto qn = test::random_floats(size_t(cs.hd), rng), kn = test::random_floats(size_t(cs.hd), rng);
+    // Per sequence: history keys/values for positions < pos, then the new token's q, k, v.
+    std::vector<KvCache> caches;
+    const size_t row = size_t(cs.nkv) * cs.hd;
+    std::vector<float> kv_k(size_t(B) * cap * row), kv_v(kv_k.size());
+    const auto q = test::random_floats(size_t(B) * cs.nq * cs.hd, rng);
+    const auto k = test::random_floats(size_t(B) * row, rng), v = test::random_floats(size_t(B) * row, rng);
+    std::vector<float> ref(q.size());
+    for (int b = 0; b < B; ++b) {
+      caches.emplace_back(1, cs.nkv, cs.hd, cap);
+      KvCache& c = caches.back();
+      for (int p = 0; p < pos[size_t(b)]; ++p) {
+        const auto hk = test::random_floats(row, rng), hv = test::random_floats(row, rng);
+        std::copy(hk.begin(), hk.end(), c.k(0, p));
+        std::copy(hv.begin(), hv.end(), c.v(0, p));
+        std::copy(hk.begin(), hk.end(), kv_k.begin() + (size_t(b) * cap + p) * row);
+        std::copy(hv.begin(), hv.end(), kv_v.begin() + (size_t(b) * cap + p) * row);
+      }
+      std::vector<float> qb(q.begin() + b * cs.nq * cs.hd, q.begin() + (b + 1) * cs.nq * cs.hd);
+      std::vector<float> kb(k.begin() + b * row, k.begin() + (b + 1) * row);
+      if (cs.norm) {
+        cpu::rms_norm(qb.data(), qn.data(), cs.nq, cs.hd, 1e-6f, qb.data());
+        cpu::rms_norm(kb.data(), kn.data(), cs.nkv, cs.hd, 1e-6f, kb.data());
+      }
+      cpu::apply_rope(qb.data(), cs.nq, cs.hd, pos[size_t(b)], tables);
+      cpu::apply_rope(kb.data(), cs.nkv, cs.hd, pos[size_t(b)], tables);
+      std::copy(kb.begin(), kb.end(), c.k(0, pos[size_t(b)]));
+      std::copy(v.begin() + b * row, v.begin() + (b + 1) * row, c.v(0, pos[size_t(b)]));
+      c.commit(pos[size_t(b)]);
+      ThreadPool pool(1);
+      cpu::attention(qb.data(), 1, pos[size_t(b)], cs.nq, cs.nkv, cs.hd, 1.0f / std::sqrt(float(cs.hd)), c, 0,
+                     ref.data() + size_t(b) * cs.nq * cs.hd, pool);
+    }
+    DeviceBuffer<float> dq(q), dk(k), dv(v), dkk(kv_k), dvv(kv_v), dout(q.size()), dqn(qn), dkn(kn);
+    DeviceBuffer<float> dinv(tables.inv_freq);
+    DeviceBuffer<int32_t> dpos(pos);
+    dout.poison();
+    cuda::RopeArgs ra{dinv.get(), 1.0f, cs.rot, cs.interleaved};
+    cuda::KvLayer kvl{dkk.get(), dvv.get(), int64_t(cap) * int64_t(row)};
+    cuda::launch_qk_rope_store(dq.get(), dk.get(), dv.get(), B, cs.nq, cs.nkv, cs.hd, cs.norm ? dqn.get() : nullptr,
+                               cs.norm ? dkn.get() : nullptr, 1e-6f, ra, dpos.get(), kvl, nullptr);
+    for (cuda::AttentionSplit split : {cuda::attention_split(cap), cuda::AttentionSplit{1, cap}, cuda::AttentionSplit{9, 8}}) {
+      DeviceBuffer<float> scratch(cuda::attention_scratch_floats(B, cs.nq, cs.hd, split));
+      dout.poison();
+      cuda::launch_decode_attention(dq.get(), B, cs.nq, cs.nkv, cs.hd, 1.0f / std::sqrt(float(cs.hd)), dpos.get(), kvl,
+                                    split, scratch.get(), dout.get(), nullptr);
+      EXPECT_LE(test::rel_err(dout.download(), ref), 1e-5) << "hd " << cs.hd << ", " << split.splits << " splits";
+    }
+  }
+}
+
+TEST(CudaOps, EmbedAndArgmax) {
+  std::mt19937 rng(17);
+  RandomLinear table(50, 64, WeightFormat::BF16, rng);
+  const std::vector<int32_t> tokens = {3, 49, 0};
+  std::vector<float> ref(tokens.size() * 64);
+  for (size_t i = 0; i < tokens.size(); ++i) table.host.dequant_row(tokens[i], ref.data() + i * 64);
+  DeviceBuffer<int32_t> dt(tokens);
+  DeviceBuffer<float> dx(ref.size());
+  dx.poison();
+  cuda::launch_embed(table.dev, dt.get(), 3, dx.get(), nullptr);
+  EXPECT_EQ(dx.download(), ref);
+
+  const int V = 5000;
+  auto logits = test::random_floats(size_t(2) * V, rng);
+  logits[1234] = 100.0f;
+  logits[V + 4321] = 100.0f;
+  logits[V + 4999] = 100.0f;  // a tie resolves to the lower id
+  DeviceBuffer<float> dl(logits);
+  DeviceBuffer<int32_t> next(2);
+  cuda::launch_argmax(dl.get(), 2, V, next.get(), nullptr);
+  EXPECT_EQ(next.download(), (std::vector<int32_t>{1234, 4321}));
+}
+
+}  // namespace
+}  // namespace kestrel
