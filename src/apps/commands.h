@@ -10,5 +10,9 @@ using Run = std::function<int()>;
 
 Run add_inspect(CLI::App& app);
 Run add_logits(CLI::App& app);
+Run add_tokenize(CLI::App& app);
+#ifdef KESTREL_HAVE_CUDA
+Run add_bench(CLI::App& app);
+#endif
 
 }  // namespace kestrel::apps

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs what building and testing kestrel needs on Debian (run as root, or with sudo).
+set -euo pipefail
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+PKGS=(cmake ninja-build g++ pkg-config libgtest-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libicu-dev clang libclang-rt-14-dev)
+missing=()
+for p in "${PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing: ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
