@@ -11,6 +11,7 @@ using Run = std::function<int()>;
 Run add_inspect(CLI::App& app);
 Run add_logits(CLI::App& app);
 Run add_tokenize(CLI::App& app);
+Run add_generate(CLI::App& app);
 #ifdef KESTREL_HAVE_CUDA
 Run add_bench(CLI::App& app);
 #endif

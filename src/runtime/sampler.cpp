@@ -1,0 +1,134 @@
+#include "runtime/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "common/error.h"
+
+namespace kestrel {
+
+void check_sampler_options(const SamplerOptions& o) {
+  if (!(o.temperature >= 0.0f) || !std::isfinite(o.temperature)) fail("--temperature: must be >= 0, got ", o.temperature);
+  if (o.top_k < 0) fail("--top-k: must be >= 0, got ", o.top_k);
+  if (!(o.top_p > 0.0f && o.top_p <= 1.0f)) fail("--top-p: must be in (0, 1], got ", o.top_p);
+  if (!(o.min_p >= 0.0f && o.min_p <= 1.0f)) fail("--min-p: must be in [0, 1], got ", o.min_p);
+  if (!(o.repetition_penalty > 0.0f) || !std::isfinite(o.repetition_penalty))
+    fail("--repetition-penalty: must be > 0, got ", o.repetition_penalty);
+}
+
+void apply_repetition_penalty(std::span<float> logits, std::span<const int32_t> history, float penalty) {
+  if (penalty == 1.0f) return;
+  std::vector<int32_t> seen(history.begin(), history.end());
+  std::sort(seen.begin(), seen.end());
+  seen.erase(std::unique(seen.begin(), seen.end()), seen.end());
+  for (int32_t id : seen) {
+    if (id < 0 || size_t(id) >= logits.size()) continue;
+    float& l = logits[size_t(id)];
+    l = l > 0 ? l / penalty : l * penalty;
+  }
+}
+
+std::vector<float> sampling_distribution(std::span<const float> logits, const SamplerOptions& o) {
+  const size_t n = logits.size();
+  std::vector<float> p(n, 0.0f);
+  if (n == 0) return p;
+  std::vector<int32_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  // Descending by logit, ties by id, so results do not depend on the sort's stability.
+  auto better = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+  size_t keep = n;
+  if (o.top_k > 0 && size_t(o.top_k) < n) {
+    keep = size_t(o.top_k);
+    std::partial_sort(order.begin(), order.begin() + keep, order.end(), better);
+  } else {
+    std::sort(order.begin(), order.end(), better);
+  }
+  const float inv_t = 1.0f / o.temperature;
+  const double top = double(logits[order[0]]) * inv_t;
+  std::vector<double> e(keep);
+  double sum = 0;
+  for (size_t i = 0; i < keep; ++i) sum += e[i] = std::exp(double(logits[order[i]]) * inv_t - top);
+  if (o.top_p < 1.0f) {
+    double cum = 0;
+    size_t i = 0;
+    while (i < keep) {
+      cum += e[i] / sum;
+      ++i;
+      if (cum >= double(o.top_p)) break;
+    }
+    keep = std::max<size_t>(i, 1);
+    sum = 0;
+    for (size_t k = 0; k < keep; ++k) sum += e[k];
+  }
+  if (o.min_p > 0.0f) {
+    const double threshold = double(o.min_p) * (e[0] / sum);
+    size_t k = 1;
+    while (k < keep && e[k] / sum >= threshold) ++k;
+    keep = k;
+    sum = 0;
+    for (size_t i = 0; i < keep; ++i) sum += e[i];
+  }
+  for (size_t i = 0; i < keep; ++i) p[size_t(order[i])] = float(e[i] / sum);
+  return p;
+}
+
+Sampler::Sampler(const SamplerOptions& o) : o_(o), rng_(o.seed) { check_sampler_options(o); }
+
+int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> history) {
+  if (logits.empty()) fail("sampler: empty logits");
+  work_.assign(logits.begin(), logits.end());
+  apply_repetition_penalty(work_, history, o_.repetition_penalty);
+  if (o_.temperature == 0.0f)
+    return int32_t(std::max_element(work_.begin(), work_.end()) - work_.begin());
+  const std::vector<float> p = sampling_distribution(work_, o_);
+  const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng_);
+  double cum = 0;
+  int32_t last = -1;
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (p[i] <= 0.0f) continue;
+    last = int32_t(i);
+    cum += p[i];
+    if (u < cum) return last;
+  }
+  return last;
+}
+
+StopMatcher::StopMatcher(std::vector<std::string> stops) {
+  for (auto& s : stops)
+    if (!s.empty()) stops_.push_back(std::move(s));
+}
+
+std::string StopMatcher::push(std::string_view chunk) {
+  if (stopped_) return {};
+  pending_ += chunk;
+  size_t first = std::string::npos;
+  for (const auto& s : stops_) first = std::min(first, pending_.find(s));
+  if (first != std::string::npos) {
+    stopped_ = true;
+    std::string out = pending_.substr(0, first);
+    pending_.clear();
+    return out;
+  }
+  // Hold the longest tail of pending_ that a stop string starts with.
+  size_t hold = 0;
+  for (const auto& s : stops_)
+    for (size_t len = std::min(s.size() - 1, pending_.size()); len > hold; --len)
+      if (pending_.compare(pending_.size() - len, len, s, 0, len) == 0) {
+        hold = len;
+        break;
+      }
+  std::string out = pending_.substr(0, pending_.size() - hold);
+  pending_.erase(0, pending_.size() - hold);
+  return out;
+}
+
+std::string StopMatcher::flush() {
+  std::string out;
+  if (!stopped_) out.swap(pending_);
+  pending_.clear();
+  return out;
+}
+
+}  // namespace kestrel

@@ -1,0 +1,61 @@
+// Choosing the next token from logits, as Hugging Face generate() does: repetition penalty, then
+// temperature, top-k, top-p and min-p, then a draw from what is left (or the argmax when the
+// temperature is 0). And the stop-string matcher that holds back text which may begin a stop.
+#pragma once
+#include <cstdint>
+#include <random>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kestrel {
+
+struct SamplerOptions {
+  float temperature = 0.0f;         // 0: greedy
+  int top_k = 0;                    // 0: off
+  float top_p = 1.0f;               // 1: off
+  float min_p = 0.0f;               // 0: off
+  float repetition_penalty = 1.0f;  // 1: off
+  uint64_t seed = 0;
+};
+
+// Fails (kestrel::Error) naming the option when a value is out of range.
+void check_sampler_options(const SamplerOptions& o);
+
+// Logits of tokens in `history` divided by `penalty` when positive, multiplied when negative.
+void apply_repetition_penalty(std::span<float> logits, std::span<const int32_t> history, float penalty);
+
+// The distribution sampling draws from: softmax(logits / temperature) restricted by top-k, top-p
+// and min-p, renormalized; removed tokens have probability 0. Needs temperature > 0.
+std::vector<float> sampling_distribution(std::span<const float> logits, const SamplerOptions& o);
+
+class Sampler {
+ public:
+  explicit Sampler(const SamplerOptions& o);
+  // The next token for `logits` [vocab]; `history` is what the penalty looks at (prompt and output).
+  int32_t sample(std::span<const float> logits, std::span<const int32_t> history);
+
+ private:
+  SamplerOptions o_;
+  std::mt19937_64 rng_;
+  std::vector<float> work_;
+};
+
+// Watches streamed text for stop strings. push() returns the text that can be shown now: text
+// that might be the start of a stop string is held until the next chunk settles it. Once a stop
+// string is seen, stopped() is true and nothing from it on is returned.
+class StopMatcher {
+ public:
+  explicit StopMatcher(std::vector<std::string> stops);
+  std::string push(std::string_view chunk);
+  std::string flush();  // what is held, when generation ends without a stop
+  bool stopped() const { return stopped_; }
+
+ private:
+  std::vector<std::string> stops_;
+  std::string pending_;
+  bool stopped_ = false;
+};
+
+}  // namespace kestrel

@@ -1,0 +1,134 @@
+// Sampling on hand-made logits: greedy, top-k, top-p, min-p, repetition penalty, seeds, stops.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "common/error.h"
+#include "runtime/sampler.h"
+
+namespace kestrel {
+namespace {
+
+const std::vector<float> kLogits = {1.0f, 3.0f, -2.0f, 2.5f, 0.0f, 2.9f};
+
+TEST(Sampler, GreedyIsArgmax) {
+  Sampler s({});
+  EXPECT_EQ(s.sample(kLogits, {}), 1);
+}
+
+TEST(Sampler, TopKOneIsArgmaxAtAnyTemperature) {
+  for (uint64_t seed = 0; seed < 20; ++seed) {
+    Sampler s({.temperature = 5.0f, .top_k = 1, .seed = seed});
+    EXPECT_EQ(s.sample(kLogits, {}), 1);
+  }
+}
+
+TEST(Sampler, TopKKeepsTheKBest) {
+  const auto p = sampling_distribution(kLogits, {.temperature = 1.0f, .top_k = 3});
+  EXPECT_GT(p[1], 0);
+  EXPECT_GT(p[5], 0);
+  EXPECT_GT(p[3], 0);
+  EXPECT_EQ(p[0] + p[2] + p[4], 0.0f);
+  EXPECT_NEAR(p[1] + p[3] + p[5], 1.0, 1e-6);
+  const double z = std::exp(3.0) + std::exp(2.9) + std::exp(2.5);
+  EXPECT_NEAR(p[1], std::exp(3.0) / z, 1e-6);
+}
+
+TEST(Sampler, TopPKeepsTheSmallestSetReachingP) {
+  // Probabilities 0.5, 0.3, 0.15, 0.05.
+  const std::vector<float> l = {std::log(0.3f), std::log(0.05f), std::log(0.5f), std::log(0.15f)};
+  auto kept = [&](float top_p) {
+    const auto p = sampling_distribution(l, {.temperature = 1.0f, .top_p = top_p});
+    int n = 0;
+    for (float x : p) n += x > 0;
+    return n;
+  };
+  EXPECT_EQ(kept(0.5f), 1);
+  EXPECT_EQ(kept(0.6f), 2);
+  EXPECT_EQ(kept(0.75f), 2);
+  EXPECT_EQ(kept(0.81f), 3);
+  EXPECT_EQ(kept(0.96f), 4);
+  EXPECT_EQ(kept(0.01f), 1);
+  const auto p = sampling_distribution(l, {.temperature = 1.0f, .top_p = 0.75f});
+  EXPECT_NEAR(p[2], 0.5 / 0.8, 1e-5);
+  EXPECT_NEAR(p[0], 0.3 / 0.8, 1e-5);
+}
+
+TEST(Sampler, MinPDropsTokensFarBelowTheBest) {
+  const std::vector<float> l = {std::log(0.3f), std::log(0.05f), std::log(0.5f), std::log(0.15f)};
+  const auto p = sampling_distribution(l, {.temperature = 1.0f, .min_p = 0.35f});  // threshold 0.175
+  EXPECT_GT(p[2], 0);
+  EXPECT_GT(p[0], 0);
+  EXPECT_EQ(p[3], 0);
+  EXPECT_EQ(p[1], 0);
+}
+
+TEST(Sampler, TemperatureSharpensAndFlattens) {
+  const auto cold = sampling_distribution(kLogits, {.temperature = 0.1f});
+  const auto hot = sampling_distribution(kLogits, {.temperature = 10.0f});
+  EXPECT_GT(cold[1], 0.7f);
+  EXPECT_LT(hot[1], 0.3f);
+}
+
+TEST(Sampler, RepetitionPenaltyDividesPositiveMultipliesNegative) {
+  std::vector<float> l = {2.0f, -2.0f, 4.0f, 1.0f};
+  const std::vector<int32_t> seen = {0, 1, 1, 7};  // repeats count once; out-of-range ids ignored
+  apply_repetition_penalty(l, seen, 2.0f);
+  EXPECT_EQ(l, (std::vector<float>{1.0f, -4.0f, 4.0f, 1.0f}));
+  // Greedy follows the penalty: 3.0 / 2 < 2.9.
+  Sampler s({.repetition_penalty = 2.0f});
+  EXPECT_EQ(s.sample(kLogits, std::vector<int32_t>{1}), 5);
+}
+
+TEST(Sampler, FixedSeedRepeatsDifferentSeedsDiffer) {
+  auto run = [](uint64_t seed) {
+    Sampler s({.temperature = 1.5f, .top_p = 0.95f, .seed = seed});
+    std::vector<int32_t> out;
+    for (int i = 0; i < 64; ++i) out.push_back(s.sample(kLogits, {}));
+    return out;
+  };
+  EXPECT_EQ(run(7), run(7));
+  EXPECT_NE(run(7), run(8));
+}
+
+TEST(Sampler, DrawsFollowTheDistribution) {
+  Sampler s({.temperature = 1.0f, .seed = 1});
+  const auto p = sampling_distribution(kLogits, {.temperature = 1.0f});
+  std::vector<int> count(kLogits.size());
+  const int n = 20000;
+  for (int i = 0; i < n; ++i) ++count[size_t(s.sample(kLogits, {}))];
+  for (size_t i = 0; i < p.size(); ++i) EXPECT_NEAR(double(count[i]) / n, p[i], 0.02) << i;
+}
+
+TEST(Sampler, BadOptionsAreRefused) {
+  EXPECT_THROW(Sampler({.temperature = -1.0f}), Error);
+  EXPECT_THROW(Sampler({.top_p = 0.0f}), Error);
+  EXPECT_THROW(Sampler({.top_p = 1.5f}), Error);
+  EXPECT_THROW(Sampler({.min_p = 2.0f}), Error);
+  EXPECT_THROW(Sampler({.repetition_penalty = 0.0f}), Error);
+  EXPECT_THROW(Sampler({.top_k = -1}), Error);
+}
+
+TEST(StopMatcher, HoldsPossibleStartsAndCutsAtTheStop) {
+  StopMatcher m({"</s>", "STOP"});
+  EXPECT_EQ(m.push("hello <"), "hello ");
+  EXPECT_EQ(m.push("/"), "");
+  EXPECT_EQ(m.push("x"), "</x");
+  EXPECT_EQ(m.push(" and ST"), " and ");
+  EXPECT_EQ(m.push("OP after"), "");
+  EXPECT_TRUE(m.stopped());
+  EXPECT_EQ(m.push("more"), "");
+  EXPECT_EQ(m.flush(), "");
+}
+
+TEST(StopMatcher, FlushReturnsHeldTextWithoutAStop) {
+  StopMatcher m({"\n\n"});
+  EXPECT_EQ(m.push("a\n"), "a");
+  EXPECT_EQ(m.flush(), "\n");
+  EXPECT_FALSE(m.stopped());
+  StopMatcher none({});
+  EXPECT_EQ(none.push("abc"), "abc");
+}
+
+}  // namespace
+}  // namespace kestrel
