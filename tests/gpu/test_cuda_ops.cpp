@@ -178,20 +178,6 @@ ModelConfig router_config(bool sigmoid, int E, int K, int groups, int topk_group
   return c;
 }
 
-cuda::DRouter device_router(const ModelConfig& c, const cuda::DLinear& w, const float* bias) {
-  cuda::DRouter r;
-  r.w = w;
-  r.bias = bias;
-  r.experts = int(c.num_experts);
-  r.top_k = int(c.experts_per_token);
-  r.sigmoid = c.router == RouterKind::SigmoidBias;
-  r.norm_topk = c.norm_topk_prob;
-  r.n_group = int(c.n_group);
-  r.topk_group = int(c.topk_group);
-  r.scaling = c.routed_scaling_factor;
-  return r;
-}
-
 TEST(CudaOps, RoutingMatchesCpu) {
   std::mt19937 rng(5);
   const int H = 128, B = 7;
@@ -207,7 +193,7 @@ TEST(CudaOps, RoutingMatchesCpu) {
     DeviceBuffer<float> dx(x), dbias(bias), dw(size_t(B) * c.experts_per_token), dl(size_t(B) * c.num_experts);
     DeviceBuffer<int32_t> de(size_t(B) * c.experts_per_token);
     dw.poison();
-    cuda::launch_route(device_router(c, w.dev, dbias.get()), dx.get(), B, dl.get(), de.get(), dw.get(), nullptr);
+    cuda::launch_route(cuda::make_router(c, w.dev, dbias.get()), dx.get(), B, dl.get(), de.get(), dw.get(), nullptr);
     const auto ge = de.download();
     const auto gw = dw.download();
     for (int b = 0; b < B; ++b)
@@ -254,7 +240,7 @@ TEST(CudaOps, MoeMatchesCpu) {
     DeviceBuffer<cuda::DLinear> bg(dg.size()), bu(du.size()), bd(dd.size());
     bg.upload(dg), bu.upload(du), bd.upload(dd);
     DeviceBuffer<float> dbias(mw.correction_bias);
-    dm.router = device_router(c, router->dev, dbias.get());
+    dm.router = cuda::make_router(c, router->dev, dbias.get());
     dm.gate = bg.get(), dm.up = bu.get(), dm.down = bd.get();
     dm.width = I;
     for (int B : {1, 3, 8}) {

@@ -154,15 +154,7 @@ std::unique_ptr<DeviceModel> DeviceModel::upload(const Model& m) {
       l.down = d->put(L.mlp.down);
     } else {
       DMoe& moe = l.moe;
-      moe.router.w = d->put(L.moe.router);
-      moe.router.bias = d->floats(L.moe.correction_bias);
-      moe.router.experts = int(c.num_experts);
-      moe.router.top_k = int(c.experts_per_token);
-      moe.router.sigmoid = c.router == RouterKind::SigmoidBias;
-      moe.router.norm_topk = c.norm_topk_prob;
-      moe.router.n_group = int(c.n_group);
-      moe.router.topk_group = int(c.topk_group);
-      moe.router.scaling = c.routed_scaling_factor;
+      moe.router = make_router(c, d->put(L.moe.router), d->floats(L.moe.correction_bias));
       std::vector<DLinear> g, u, dn;
       for (const GatedFfn& e : L.moe.experts) {
         g.push_back(d->put(e.gate));
@@ -222,15 +214,9 @@ std::unique_ptr<DeviceModel> DeviceModel::random(const ModelConfig& c, uint64_t 
     } else {
       DMoe& moe = l.moe;
       const int E = int(c.num_experts), I = int(c.moe_intermediate_size);
-      moe.router.w = d->make_random(E, H, false, ++s);
-      if (c.router == RouterKind::SigmoidBias) moe.router.bias = d->floats(std::vector<float>(size_t(E), 0.0f));
-      moe.router.experts = E;
-      moe.router.top_k = int(c.experts_per_token);
-      moe.router.sigmoid = c.router == RouterKind::SigmoidBias;
-      moe.router.norm_topk = c.norm_topk_prob;
-      moe.router.n_group = int(c.n_group);
-      moe.router.topk_group = int(c.topk_group);
-      moe.router.scaling = c.routed_scaling_factor;
+      const float* bias =
+          c.router == RouterKind::SigmoidBias ? d->floats(std::vector<float>(size_t(E), 0.0f)) : nullptr;
+      moe.router = make_router(c, d->make_random(E, H, false, ++s), bias);
       std::vector<DLinear> g, u, dn;
       const std::string ep = p + c.moe_prefix + ".experts.";
       for (int e = 0; e < E; ++e) {

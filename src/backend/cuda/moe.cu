@@ -171,6 +171,20 @@ __global__ void __launch_bounds__(kWarps * 32) down_kernel(DMoe m, int batch, co
 
 }  // namespace
 
+DRouter make_router(const ModelConfig& c, const DLinear& w, const float* bias) {
+  DRouter r;
+  r.w = w;
+  r.bias = bias;
+  r.experts = int(c.num_experts);
+  r.top_k = int(c.experts_per_token);
+  r.sigmoid = c.router == RouterKind::SigmoidBias;
+  r.norm_topk = c.norm_topk_prob;
+  r.n_group = int(c.n_group);
+  r.topk_group = int(c.topk_group);
+  r.scaling = c.routed_scaling_factor;
+  return r;
+}
+
 void launch_route(const DRouter& r, const float* x, int batch, float* logits, int32_t* experts, float* weights,
                   cudaStream_t stream) {
   if (r.experts > kMaxExperts || r.top_k > 32 || r.n_group > 32)

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "backend/cuda/dlinear.h"
+#include "model/model_config.h"
 
 namespace kestrel::cuda {
 
@@ -17,6 +18,9 @@ struct DRouter {
   int n_group = 1, topk_group = 1;
   float scaling = 1.0f;
 };
+
+// The router of a family as ModelConfig describes it, over router weights w (and correction bias).
+DRouter make_router(const ModelConfig& c, const DLinear& w, const float* bias);
 
 struct DMoe {
   DRouter router;
