@@ -43,7 +43,7 @@ struct Options {
 
 Run add_logits(CLI::App& app) {
   auto o = std::make_shared<Options>();
-  app.add_option("--model", o->model, "Hugging Face model folder")->required();
+  app.add_option("--model", o->model, "Hugging Face model folder or .gguf file")->required();
   app.add_option("--tokens", o->tokens, "Comma-separated token ids, e.g. 1,2,3")->required();
   app.add_option("--out", o->out, "Output file: float32 little-endian logits [tokens, vocab]")->required();
   app.add_flag("--decode", o->decode, "Feed the tokens one at a time through the KV cache (decode path)");

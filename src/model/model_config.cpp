@@ -150,7 +150,9 @@ std::string ModelConfig::summary() const {
     if (routed_scaling_factor != 1.0f) s << ", scaled x" << routed_scaling_factor;
     s << "\n";
   }
-  s << "quantization      " << quant.describe() << "\n";
+  // GGUF files carry a format per tensor instead of settings: the storage lines tell those.
+  if (quant.is_quantized() || architecture.find("GGUF") == std::string::npos)
+    s << "quantization      " << quant.describe() << "\n";
   return s.str();
 }
 
