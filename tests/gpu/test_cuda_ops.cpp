@@ -116,7 +116,10 @@ INSTANTIATE_TEST_SUITE_P(
                       LinearCase{WeightFormat::NVFP4, 129, 784, 3}, LinearCase{WeightFormat::NVFP4, 512, 1536, 8},
                       LinearCase{WeightFormat::NVFP4, 77, 4096, 11}, LinearCase{WeightFormat::BF16, 300, 2048, 1},
                       LinearCase{WeightFormat::BF16, 129, 776, 5}, LinearCase{WeightFormat::BF16, 33, 20, 2},
-                      LinearCase{WeightFormat::F32, 65, 96, 4}));
+                      LinearCase{WeightFormat::F32, 65, 96, 4},
+                      // Tall enough for the several-rows-per-group path (short ones take one row).
+                      LinearCase{WeightFormat::NVFP4, 9000, 256, 2}, LinearCase{WeightFormat::NVFP4, 17000, 256, 3},
+                      LinearCase{WeightFormat::BF16, 9000, 64, 1}));
 
 TEST(CudaOps, ThreeJobsInOneLaunch) {
   std::mt19937 rng(7);
