@@ -87,6 +87,9 @@ Run add_generate(CLI::App& app) {
   app.add_option("--top-p", o->sampling.top_p, "Keep the smallest set of tokens whose probability reaches p (1: off)");
   app.add_option("--min-p", o->sampling.min_p, "Drop tokens less likely than p times the most likely (0: off)");
   app.add_option("--repetition-penalty", o->sampling.repetition_penalty, "Penalty for tokens already seen (1: off)");
+  app.add_option("--presence-penalty", o->sampling.presence_penalty, "Subtracted from tokens already generated (0: off)");
+  app.add_option("--frequency-penalty", o->sampling.frequency_penalty,
+                 "Subtracted per occurrence of a token already generated (0: off)");
   app.add_option("--seed", o->sampling.seed, "Random seed (default 0)");
   app.add_option("--stop", o->stops, "Stop when this text appears (repeatable)");
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
@@ -140,7 +143,7 @@ Run add_generate(CLI::App& app) {
     int generated = 0, decode_steps = 0;
     double decode_s = 0;
     while (generated < o->max_tokens) {
-      const int32_t next = sampler.sample(last, history);
+      const int32_t next = sampler.sample(last, history, prompt.size());
       if (is_eos(next)) break;
       history.push_back(next);
       ++generated;

@@ -16,6 +16,24 @@ void check_sampler_options(const SamplerOptions& o) {
   if (!(o.min_p >= 0.0f && o.min_p <= 1.0f)) fail("--min-p: must be in [0, 1], got ", o.min_p);
   if (!(o.repetition_penalty > 0.0f) || !std::isfinite(o.repetition_penalty))
     fail("--repetition-penalty: must be > 0, got ", o.repetition_penalty);
+  if (!(o.presence_penalty >= -2.0f && o.presence_penalty <= 2.0f))
+    fail("--presence-penalty: must be in [-2, 2], got ", o.presence_penalty);
+  if (!(o.frequency_penalty >= -2.0f && o.frequency_penalty <= 2.0f))
+    fail("--frequency-penalty: must be in [-2, 2], got ", o.frequency_penalty);
+}
+
+void apply_presence_frequency_penalty(std::span<float> logits, std::span<const int32_t> generated, float presence,
+                                      float frequency) {
+  if (presence == 0.0f && frequency == 0.0f) return;
+  std::vector<int32_t> ids(generated.begin(), generated.end());
+  std::sort(ids.begin(), ids.end());
+  for (size_t i = 0; i < ids.size();) {
+    size_t j = i;
+    while (j < ids.size() && ids[j] == ids[i]) ++j;
+    const int32_t t = ids[i];
+    if (t >= 0 && size_t(t) < logits.size()) logits[size_t(t)] -= presence + frequency * float(j - i);
+    i = j;
+  }
 }
 
 void apply_repetition_penalty(std::span<float> logits, std::span<const int32_t> history, float penalty) {
@@ -76,10 +94,12 @@ std::vector<float> sampling_distribution(std::span<const float> logits, const Sa
 
 Sampler::Sampler(const SamplerOptions& o) : o_(o), rng_(o.seed) { check_sampler_options(o); }
 
-int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> history) {
+int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> history, size_t prompt_len) {
   if (logits.empty()) fail("sampler: empty logits");
   work_.assign(logits.begin(), logits.end());
   apply_repetition_penalty(work_, history, o_.repetition_penalty);
+  apply_presence_frequency_penalty(work_, history.subspan(std::min(prompt_len, history.size())), o_.presence_penalty,
+                                   o_.frequency_penalty);
   if (o_.temperature == 0.0f)
     return int32_t(std::max_element(work_.begin(), work_.end()) - work_.begin());
   const std::vector<float> p = sampling_distribution(work_, o_);

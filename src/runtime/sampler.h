@@ -17,6 +17,8 @@ struct SamplerOptions {
   float top_p = 1.0f;               // 1: off
   float min_p = 0.0f;               // 0: off
   float repetition_penalty = 1.0f;  // 1: off
+  float presence_penalty = 0.0f;    // 0: off; subtracted once from every token already generated
+  float frequency_penalty = 0.0f;   // 0: off; subtracted per occurrence in the generated text
   uint64_t seed = 0;
 };
 
@@ -26,6 +28,11 @@ void check_sampler_options(const SamplerOptions& o);
 // Logits of tokens in `history` divided by `penalty` when positive, multiplied when negative.
 void apply_repetition_penalty(std::span<float> logits, std::span<const int32_t> history, float penalty);
 
+// OpenAI-style penalties over the generated tokens only: logit -= presence * (count > 0) +
+// frequency * count.
+void apply_presence_frequency_penalty(std::span<float> logits, std::span<const int32_t> generated, float presence,
+                                      float frequency);
+
 // The distribution sampling draws from: softmax(logits / temperature) restricted by top-k, top-p
 // and min-p, renormalized; removed tokens have probability 0. Needs temperature > 0.
 std::vector<float> sampling_distribution(std::span<const float> logits, const SamplerOptions& o);
@@ -33,8 +40,10 @@ std::vector<float> sampling_distribution(std::span<const float> logits, const Sa
 class Sampler {
  public:
   explicit Sampler(const SamplerOptions& o);
-  // The next token for `logits` [vocab]; `history` is what the penalty looks at (prompt and output).
-  int32_t sample(std::span<const float> logits, std::span<const int32_t> history);
+  // The next token for `logits` [vocab]. `history` is prompt and output so far (the repetition
+  // penalty looks at all of it); history[prompt_len..] is the output, which the presence and
+  // frequency penalties count.
+  int32_t sample(std::span<const float> logits, std::span<const int32_t> history, size_t prompt_len = 0);
 
  private:
   SamplerOptions o_;

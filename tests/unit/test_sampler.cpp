@@ -100,7 +100,21 @@ TEST(Sampler, DrawsFollowTheDistribution) {
   for (size_t i = 0; i < p.size(); ++i) EXPECT_NEAR(double(count[i]) / n, p[i], 0.02) << i;
 }
 
+TEST(Sampler, PresenceAndFrequencyPenaltiesCountGeneratedTokensOnly) {
+  std::vector<float> l = {2.0f, 2.0f, 2.0f, 2.0f};
+  const std::vector<int32_t> generated = {1, 2, 2, 2, 9};  // out-of-range ids ignored
+  apply_presence_frequency_penalty(l, generated, 0.5f, 0.25f);
+  EXPECT_EQ(l, (std::vector<float>{2.0f, 1.25f, 0.75f, 2.0f}));
+  // Through the sampler: the prompt (first two tokens) is not counted.
+  Sampler s({.presence_penalty = 1.0f});
+  const std::vector<float> flat = {1.0f, 1.5f, 0.0f};
+  EXPECT_EQ(s.sample(flat, std::vector<int32_t>{1, 1}, 2), 1);  // 1 only in the prompt: no penalty
+  EXPECT_EQ(s.sample(flat, std::vector<int32_t>{0, 1}, 1), 0);  // 1 generated: 1.5 - 1 < 1.0
+}
+
 TEST(Sampler, BadOptionsAreRefused) {
+  EXPECT_THROW(Sampler({.presence_penalty = 3.0f}), Error);
+  EXPECT_THROW(Sampler({.frequency_penalty = -2.5f}), Error);
   EXPECT_THROW(Sampler({.temperature = -1.0f}), Error);
   EXPECT_THROW(Sampler({.top_p = 0.0f}), Error);
   EXPECT_THROW(Sampler({.top_p = 1.5f}), Error);
