@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "common/error.h"
+#include "common/mapped_file.h"
 #include "text/chat_template.h"
 
 namespace kestrel {
@@ -22,13 +23,6 @@ using ojson = nlohmann::ordered_json;
 
 std::string chat_data(const std::string& file) { return std::string(KESTREL_TEXT_DATA) + "/chat/" + file; }
 
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error("cannot open " + path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 struct RenderCase {
   std::string template_file;
@@ -41,7 +35,7 @@ struct RenderCase {
 
 std::vector<RenderCase> load_cases() {
   std::vector<RenderCase> out;
-  ojson j = ojson::parse(read_file(chat_data("renderings.json")));
+  ojson j = ojson::parse(read_text_file(chat_data("renderings.json")));
   for (const auto& c : j.at("cases")) {
     RenderCase r;
     r.template_file = c.at("template").get<std::string>();
@@ -58,7 +52,7 @@ std::vector<RenderCase> load_cases() {
 const ChatTemplate& template_for(const std::string& file) {
   static std::map<std::string, std::unique_ptr<ChatTemplate>> cache;
   auto& slot = cache[file];
-  if (!slot) slot = std::make_unique<ChatTemplate>(read_file(chat_data("templates/" + file)), file);
+  if (!slot) slot = std::make_unique<ChatTemplate>(read_text_file(chat_data("templates/" + file)), file);
   return *slot;
 }
 
@@ -102,7 +96,7 @@ TEST(ChatTemplate, EveryFamilyIsCovered) {
 }
 
 TEST(ChatTemplate, RaiseExceptionCarriesTheTemplateMessage) {
-  ChatTemplate t(read_file(chat_data("templates/mixtral.jinja")), "mixtral");
+  ChatTemplate t(read_text_file(chat_data("templates/mixtral.jinja")), "mixtral");
   ojson messages = ojson::parse(R"([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])");
   try {
     t.render(messages, ojson::object());
@@ -226,7 +220,7 @@ TEST(LoadChatTemplate, ClearErrors) {
 
 TEST(LoadChatTemplate, RendersAFixtureTemplateFromAFolder) {
   TempModelDir d;
-  nlohmann::json cfg = {{"chat_template", read_file(chat_data("templates/qwen3.jinja"))}};
+  nlohmann::json cfg = {{"chat_template", read_text_file(chat_data("templates/qwen3.jinja"))}};
   d.write("tokenizer_config.json", cfg.dump());
   ojson msgs = ojson::parse(R"([{"role": "user", "content": "Hi"}])");
   EXPECT_EQ(render_chat(load_chat_template(d.str()), msgs, ojson::parse(R"({"add_generation_prompt": true})")),

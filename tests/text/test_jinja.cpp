@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "common/mapped_file.h"
 #include "text/jinja.h"
 
 namespace kestrel::jinja {
@@ -15,13 +16,6 @@ namespace {
 
 using ojson = nlohmann::ordered_json;
 
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error("cannot open " + path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 std::string render(const std::string& src, const ojson& vars = ojson::object(), Options opt = {}) {
   return Template(src, "t", opt).render(vars);
@@ -48,7 +42,7 @@ struct JinjaCase {
 
 std::vector<JinjaCase> load_cases() {
   std::vector<JinjaCase> out;
-  ojson j = ojson::parse(read_file(std::string(KESTREL_TEXT_DATA) + "/chat/jinja_cases.json"));
+  ojson j = ojson::parse(read_text_file(std::string(KESTREL_TEXT_DATA) + "/chat/jinja_cases.json"));
   size_t i = 0;
   for (const auto& c : j.at("cases")) {
     JinjaCase r;

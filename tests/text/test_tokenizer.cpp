@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "formats/json_file.h"
 #include "text/pretokenize.h"
 #include "text/tokenizer.h"
 #include "text/utf8.h"
@@ -19,19 +20,13 @@ namespace {
 
 std::string data_path(const std::string& file) { return std::string(KESTREL_TEXT_DATA) + "/tokenizers/" + file; }
 
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return nlohmann::json::parse(ss.str());
-}
 
 std::string shown(const std::string& s) { return s.size() > 60 ? s.substr(0, 60) + "..." : s; }
 
 class Family : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    ref_ = read_json(data_path(GetParam() + ".ref.json"));
+    ref_ = read_json_file(data_path(GetParam() + ".ref.json"));
     tok_ = std::make_unique<Tokenizer>(Tokenizer::from_file(data_path(ref_["tokenizer"].get<std::string>())));
   }
   nlohmann::json ref_;

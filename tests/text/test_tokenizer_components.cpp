@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "formats/json_file.h"
 #include "text/normalize.h"
 #include "text/pretokenize.h"
 #include "text/utf8.h"
@@ -14,12 +15,7 @@
 namespace kestrel::text {
 namespace {
 
-nlohmann::json components() {
-  std::ifstream f(std::string(KESTREL_TEXT_DATA) + "/tokenizers/components.ref.json", std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return nlohmann::json::parse(ss.str());
-}
+nlohmann::json components() { return read_json_file(std::string(KESTREL_TEXT_DATA) + "/tokenizers/components.ref.json"); }
 
 TEST(TokenizerComponents, MatchTheReference) {
   const auto ref = components();
