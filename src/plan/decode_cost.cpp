@@ -8,6 +8,12 @@ double bytes_per_weight(const ModelConfig& c, const std::string& module) {
   return c.quant.quantizes(module) ? 0.5 + 1.0 / 16.0 : 2.0;
 }
 
+double expected_distinct_experts(const ModelConfig& c, int batch) {
+  if (c.num_experts <= 0) return 0.0;
+  const double E = double(c.num_experts), K = double(c.experts_per_token);
+  return E * (1.0 - std::pow(1.0 - K / E, double(batch)));
+}
+
 std::vector<std::pair<std::string, double>> DecodeCost::parts() const {
   return {{"attention weights", attention}, {"dense FFN", dense_ffn},       {"routed experts", routed_experts},
           {"shared experts", shared_experts}, {"router", router},          {"embedding rows", embedding},
@@ -29,10 +35,10 @@ DecodeCost decode_cost(const ModelConfig& c, int batch, int64_t context, double 
       d.dense_ffn += lin(p + "mlp.gate_proj", I, H) + lin(p + "mlp.up_proj", I, H) + lin(p + "mlp.down_proj", H, I);
       continue;
     }
-    const double E = double(c.num_experts), K = double(c.experts_per_token), I = double(c.moe_intermediate_size);
+    const double E = double(c.num_experts), I = double(c.moe_intermediate_size);
     const std::string e0 = p + c.moe_prefix + ".experts.0.";
     const double expert = lin(e0 + c.expert_gate, I, H) + lin(e0 + c.expert_up, I, H) + lin(e0 + c.expert_down, H, I);
-    d.expected_experts = E * (1.0 - std::pow(1.0 - K / E, B));
+    d.expected_experts = expected_distinct_experts(c, batch);
     d.routed_experts += d.expected_experts * expert;
     d.router += E * H * 2.0;
     if (c.num_shared_experts > 0) {

@@ -27,6 +27,10 @@ struct DecodeCost {
   std::vector<std::pair<std::string, double>> parts() const;
 };
 
+// Distinct experts a batch selects per MoE layer, expected under uniform routing:
+// E * (1 - (1 - k/E)^batch). 0 for models without experts.
+double expected_distinct_experts(const ModelConfig& c, int batch);
+
 // Bytes per weight of a linear module under the checkpoint's quantization settings: NVFP4
 // (0.5625: 4-bit code + an FP8 scale per 16) where quantized, else BF16 (2).
 double bytes_per_weight(const ModelConfig& c, const std::string& module);

@@ -7,6 +7,7 @@
 #include "backend/cuda/gemv.h"
 #include "backend/cuda/misc.h"
 #include "backend/cuda/moe.h"
+#include "plan/decode_cost.h"
 
 namespace kestrel::cuda {
 namespace {
@@ -98,8 +99,7 @@ void Decoder::step(int batch, cudaStream_t s, OpTimer* timer) {
   if (timer) timer->begin(s);
   launch_embed(m_.embed(), tokens_, batch, x_, s);
   op("embed", 1, double(m_.embed().bytes()) / double(c.vocab_size) * batch + act * H);
-  const double expected_experts =
-      c.num_experts > 0 ? double(c.num_experts) * (1.0 - std::pow(1.0 - double(c.experts_per_token) / double(c.num_experts), batch)) : 0;
+  const double expected_experts = expected_distinct_experts(c, batch);
   for (size_t l = 0; l < m_.layers().size(); ++l) {
     const DLayer& L = m_.layers()[l];
     const KvLayer kvl = kv(int(l));
