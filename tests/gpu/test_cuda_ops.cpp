@@ -158,14 +158,17 @@ TEST(CudaOps, GatedMatchesCpu) {
 
 TEST(CudaOps, RmsNorm) {
   std::mt19937 rng(3);
-  const int rows = 5, n = 1000;
-  const auto x = test::random_floats(size_t(rows) * n, rng, 3.0f), w = test::random_floats(n, rng);
-  std::vector<float> ref(x.size());
-  cpu::rms_norm(x.data(), w.data(), rows, n, 1e-6f, ref.data());
-  DeviceBuffer<float> dx(x), dw(w), out(x.size());
-  out.poison();
-  cuda::launch_rms_norm(dx.get(), dw.get(), rows, n, 1e-6f, out.get(), nullptr);
-  EXPECT_LE(test::rel_err(out.download(), ref), kTol);
+  const int rows = 5;
+  // Rows held in registers (multiples of 4 up to 8192) and rows that take the looping path.
+  for (int n : {1000, 2048, 8192, 1001, 9000}) {
+    const auto x = test::random_floats(size_t(rows) * n, rng, 3.0f), w = test::random_floats(n, rng);
+    std::vector<float> ref(x.size());
+    cpu::rms_norm(x.data(), w.data(), rows, n, 1e-6f, ref.data());
+    DeviceBuffer<float> dx(x), dw(w), out(x.size());
+    out.poison();
+    cuda::launch_rms_norm(dx.get(), dw.get(), rows, n, 1e-6f, out.get(), nullptr);
+    EXPECT_LE(test::rel_err(out.download(), ref), kTol) << "n " << n;
+  }
 }
 
 // Builds a ModelConfig for router tests.
@@ -246,6 +249,7 @@ TEST(CudaOps, MoeMatchesCpu) {
     dm.router = cuda::make_router(c, router->dev, dbias.get());
     dm.gate = bg.get(), dm.up = bu.get(), dm.down = bd.get();
     dm.width = I;
+    dm.expert_gate = dg[0];
     for (int B : {1, 3, 8}) {
       const auto x = test::random_floats(size_t(B) * H, rng);
       const auto resid = test::random_floats(size_t(B) * H, rng);
@@ -349,8 +353,18 @@ TEST(CudaOps, EmbedAndArgmax) {
   logits[V + 4999] = 100.0f;  // a tie resolves to the lower id
   DeviceBuffer<float> dl(logits);
   DeviceBuffer<int32_t> next(2);
-  cuda::launch_argmax(dl.get(), 2, V, next.get(), nullptr);
+  DeviceBuffer<uint8_t> scratch(cuda::argmax_scratch_bytes(2));
+  KESTREL_CUDA_CHECK(cudaMemset(scratch.get(), 0, cuda::argmax_scratch_bytes(2)));
+  const cuda::ArgmaxScratch as = cuda::argmax_scratch(scratch.get(), 2);
+  cuda::launch_argmax(dl.get(), 2, V, next.get(), as, nullptr);
   EXPECT_EQ(next.download(), (std::vector<int32_t>{1234, 4321}));
+  // Again with the winner moved: the completion counters must have been reset.
+  logits[1234] = 0.0f;
+  logits[17] = 100.0f;
+  dl.upload(logits);
+  next.poison();
+  cuda::launch_argmax(dl.get(), 2, V, next.get(), as, nullptr);
+  EXPECT_EQ(next.download(), (std::vector<int32_t>{17, 4321}));
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/check.h"
+#include "backend/cuda/launch.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -21,6 +22,7 @@ __global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const fl
   __shared__ float s_m[kWarps], s_l[kWarps], s_acc[kWarps][kPer * 32];
   const int h = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  pdl_enter();
   const int kvh = h / (nq / nkv), len = positions[b] + 1;
   const int begin = split * chunk, end = min(len, begin + chunk);
   const float* qv = q + (size_t(b) * nq + h) * hd;
@@ -85,19 +87,42 @@ __global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const fl
   if (lane == 0) out[hd] = M, out[hd + 1] = L;
 }
 
-__global__ void attention_combine_kernel(const float* __restrict__ part, int nq, int hd, int splits,
-                                         float* __restrict__ out) {
+constexpr int kMaxSplits = 64;  // attention_split never makes more
+
+// One block per (head, sequence): the first warp turns the splits' maxima and sums into one
+// weight per split, then every thread adds its dimensions over the splits with the loads of
+// several splits in flight.
+__global__ void __launch_bounds__(128) attention_combine_kernel(const float* __restrict__ part, int nq, int hd,
+                                                                int splits, float* __restrict__ out) {
+  __shared__ float weight[kMaxSplits];
   const int h = blockIdx.x, b = blockIdx.y;
+  pdl_enter();
   const float* p = part + (size_t(b) * nq + h) * splits * (hd + 2);
-  float M = -FLT_MAX;
-  for (int s = 0; s < splits; ++s) M = fmaxf(M, p[s * (hd + 2) + hd]);
-  float L = 0.0f;
-  for (int s = 0; s < splits; ++s) L += p[s * (hd + 2) + hd + 1] * __expf(p[s * (hd + 2) + hd] - M);
-  const float inv = 1.0f / L;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    float m[2], l[2], M = -FLT_MAX;
+    #pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int s = lane + 32 * i;
+      m[i] = s < splits ? p[s * (hd + 2) + hd] : -FLT_MAX;
+      l[i] = s < splits ? p[s * (hd + 2) + hd + 1] : 0.0f;
+      M = fmaxf(M, m[i]);
+    }
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    float L = l[0] * __expf(m[0] - M) + l[1] * __expf(m[1] - M);
+    for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+    #pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int s = lane + 32 * i;
+      if (s < splits) weight[s] = __expf(m[i] - M) / L;
+    }
+  }
+  __syncthreads();
   for (int d = threadIdx.x; d < hd; d += blockDim.x) {
     float t = 0.0f;
-    for (int s = 0; s < splits; ++s) t += p[s * (hd + 2) + d] * __expf(p[s * (hd + 2) + hd] - M);
-    out[(size_t(b) * nq + h) * hd + d] = t * inv;
+    #pragma unroll 8
+    for (int s = 0; s < splits; ++s) t = fmaf(p[s * (hd + 2) + d], weight[s], t);
+    out[(size_t(b) * nq + h) * hd + d] = t;
   }
 }
 
@@ -105,7 +130,7 @@ __global__ void attention_combine_kernel(const float* __restrict__ part, int nq,
 
 AttentionSplit attention_split(int max_context) {
   AttentionSplit s;
-  s.splits = std::min(64, std::max(1, (max_context + 63) / 64));
+  s.splits = std::min(kMaxSplits, std::max(1, (max_context + 63) / 64));
   s.chunk = (max_context + s.splits - 1) / s.splits;
   return s;
 }
@@ -116,15 +141,20 @@ void launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd,
   if (hd > kMaxHd) fail("CUDA decode attention supports head_dim up to ", kMaxHd, ", got ", hd);
   const dim3 grid(unsigned(nq), unsigned(batch), unsigned(split.splits));
   if (hd <= 32)
-    attention_partial_kernel<1><<<grid, kWarps * 32, 0, s>>>(q, nq, nkv, hd, scale, split.chunk, positions, cache, scratch);
+    launch(attention_partial_kernel<1>, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions,
+           cache, scratch);
   else if (hd <= 64)
-    attention_partial_kernel<2><<<grid, kWarps * 32, 0, s>>>(q, nq, nkv, hd, scale, split.chunk, positions, cache, scratch);
+    launch(attention_partial_kernel<2>, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions,
+           cache, scratch);
   else if (hd <= 128)
-    attention_partial_kernel<4><<<grid, kWarps * 32, 0, s>>>(q, nq, nkv, hd, scale, split.chunk, positions, cache, scratch);
+    launch(attention_partial_kernel<4>, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions,
+           cache, scratch);
   else
-    attention_partial_kernel<8><<<grid, kWarps * 32, 0, s>>>(q, nq, nkv, hd, scale, split.chunk, positions, cache, scratch);
+    launch(attention_partial_kernel<8>, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions,
+           cache, scratch);
   KESTREL_CUDA_LAUNCHED();
-  attention_combine_kernel<<<dim3(unsigned(nq), unsigned(batch)), 128, 0, s>>>(scratch, nq, hd, split.splits, out);
+  launch(attention_combine_kernel, dim3(unsigned(nq), unsigned(batch)), dim3(128), 0, s, scratch, nq, hd, split.splits,
+         out);
   KESTREL_CUDA_LAUNCHED();
 }
 

@@ -52,6 +52,9 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context)
   tokens_ = buffer<int32_t>(B);
   positions_ = buffer<int32_t>(B);
   next_ = buffer<int32_t>(B);
+  uint8_t* am = buffer<uint8_t>(argmax_scratch_bytes(max_batch));
+  KESTREL_CUDA_CHECK(cudaMemset(am, 0, argmax_scratch_bytes(max_batch)));
+  argmax_ = argmax_scratch(am, max_batch);
   KESTREL_CUDA_CHECK(cudaMemset(tokens_, 0, B * 4));
   KESTREL_CUDA_CHECK(cudaMemset(positions_, 0, B * 4));
   if (c.num_moe_layers() > 0) {
@@ -139,7 +142,7 @@ void Decoder::step(int batch, cudaStream_t s, OpTimer* timer) {
   const LinearJob head[1] = {{m_.lm_head(), logits_}};
   launch_linear(head, 1, xn_, batch, false, s);
   op("lm_head", 1, double(m_.lm_head().bytes()));
-  launch_argmax(logits_, batch, int(c.vocab_size), next_, s);
+  launch_argmax(logits_, batch, int(c.vocab_size), next_, argmax_, s);
   op("argmax", 1, act * double(c.vocab_size));
   launches_ = n;
 }

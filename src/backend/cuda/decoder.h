@@ -10,6 +10,7 @@
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/device_model.h"
+#include "backend/cuda/misc.h"
 #include "backend/cuda/norm_rope.h"
 #include "backend/cuda/op_timer.h"
 
@@ -54,6 +55,7 @@ class Decoder {
   AttentionSplit split_;
   int32_t *tokens_, *positions_, *next_;
   MoeScratch moe_;
+  ArgmaxScratch argmax_;
   std::map<std::pair<int, bool>, cudaGraphExec_t> graphs_;
 };
 

@@ -6,6 +6,7 @@
 #include <cuda_fp8.h>
 
 #include "backend/cuda/dlinear.h"
+#include "backend/cuda/launch.cuh"
 
 namespace kestrel::cuda {
 
@@ -26,6 +27,19 @@ __device__ __forceinline__ float2 e2m1x2_scaled(uint32_t byte) {
 }
 constexpr float kE2M1Unscale = 16384.0f;  // 2^14
 
+// Eight E2M1 codes (one little-endian word, weight 2j in the low nibble of byte j) the same way,
+// two at a time: the nibbles of weights k and k + 4 sit 16 bits apart, so one shift and two masks
+// place both in a half2 (about half the instructions of converting byte by byte).
+__device__ __forceinline__ void e2m1x8_scaled(uint32_t word, float (&w)[8]) {
+  #pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t v = word >> (4 * k);
+    const uint32_t bits = ((v & 0x00070007u) << 9) | ((v & 0x00080008u) << 12);
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&bits));
+    w[k] = f.x, w[k + 4] = f.y;
+  }
+}
+
 // Rows per warp for a batch of B: each x value loaded is used for R rows, which is what keeps
 // the loads of x from L1 below the weight stream; fewer rows for larger batches bound registers.
 template <int B>
@@ -33,12 +47,95 @@ __host__ __device__ constexpr int rows_per_warp() {
   return B <= 2 ? 4 : (B <= 4 ? 2 : 1);
 }
 
+// R consecutive rows of an NVFP4 matrix starting at a row: codes and scales of that row, the
+// dequantization factor, and the index of the last valid row (later rows repeat it).
+struct NvRows {
+  const uint8_t* codes;
+  const uint8_t* scales;
+  float unscale;
+  int last;
+};
+
+__device__ __forceinline__ NvRows nv_rows(const DLinear& W, int row0) {
+  const int row = min(row0, W.out - 1);
+  return {W.data + size_t(row) * (W.in / 2), W.scales + size_t(row) * (W.in / 16), kE2M1Unscale * W.scale2,
+          W.out - 1 - row};
+}
+
+// Partial dot products of M blocks of R NVFP4 rows of length K (M = 2: gate and up) with B
+// activation rows x[b * ldx ...]; acc[m * R + r][b] += partial, the caller reduces the warp. Lane
+// l takes the 32-weight groups first + l, first + l + step, ...: 16 bytes of codes per row and
+// load, all M * R rows' loads issued before the first is used so that M * R * 16 bytes per lane
+// are in flight; x is read 8 weights at a time to bound registers. `first`/`step` split K
+// between the warps of a block (first = warp * 32, step = 32 * warps); one warp alone: 0 and 32.
+template <int M, int R, int B>
+__device__ __forceinline__ void nvfp4_rows_dot(const NvRows (&mat)[M], int K, const float* __restrict__ x, int ldx,
+                                               int lane, float (&acc)[M * R][B], int first, int step) {
+  const int groups32 = (K % 32) == 0 ? K / 32 : 0;
+  #pragma unroll 1
+  for (int g = first + lane; g < groups32; g += step) {
+    uint4 c[M * R];
+    uint32_t sc[M * R];
+    #pragma unroll
+    for (int m = 0; m < M; ++m)
+      #pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int row = min(r, mat[m].last);
+        c[m * R + r] = __ldg(reinterpret_cast<const uint4*>(mat[m].codes + row * (K / 2)) + g);
+        sc[m * R + r] = __ldg(reinterpret_cast<const uint16_t*>(mat[m].scales + row * (K / 16)) + g);
+      }
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float xv[B][8];
+      #pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const float4 a = *reinterpret_cast<const float4*>(x + size_t(b) * ldx + 32 * g + 8 * i);
+        const float4 d = *reinterpret_cast<const float4*>(x + size_t(b) * ldx + 32 * g + 8 * i + 4);
+        xv[b][0] = a.x, xv[b][1] = a.y, xv[b][2] = a.z, xv[b][3] = a.w;
+        xv[b][4] = d.x, xv[b][5] = d.y, xv[b][6] = d.z, xv[b][7] = d.w;
+      }
+      #pragma unroll
+      for (int q = 0; q < M * R; ++q) {
+        const uint32_t word = i == 0 ? c[q].x : i == 1 ? c[q].y : i == 2 ? c[q].z : c[q].w;
+        const float s = e4m3_to_float(uint8_t(sc[q] >> (8 * (i / 2)))) * mat[q / R].unscale;
+        float w[8];
+        e2m1x8_scaled(word, w);
+        #pragma unroll
+        for (int b = 0; b < B; ++b) {
+          float part = 0.0f;
+          #pragma unroll
+          for (int j = 0; j < 8; ++j) part = fmaf(w[j], xv[b][j], part);
+          acc[q][b] = fmaf(part, s, acc[q][b]);
+        }
+      }
+    }
+  }
+  // K % 32 == 16 (rows not 16-byte aligned): 16-weight blocks, 8 bytes of codes per load.
+  #pragma unroll 1
+  for (int blk = (K % 32) == 0 ? K / 16 : first + lane; blk < K / 16; blk += step) {
+    #pragma unroll
+    for (int q = 0; q < M * R; ++q) {
+      const int row = min(q % R, mat[q / R].last);
+      const uint2 c = __ldg(reinterpret_cast<const uint2*>(mat[q / R].codes + row * (K / 2)) + blk);
+      const float s = e4m3_to_float(__ldg(mat[q / R].scales + row * (K / 16) + blk)) * mat[q / R].unscale;
+      float w[16];
+      e2m1x8_scaled(c.x, reinterpret_cast<float(&)[8]>(w[0]));
+      e2m1x8_scaled(c.y, reinterpret_cast<float(&)[8]>(w[8]));
+      #pragma unroll
+      for (int b = 0; b < B; ++b) {
+        float part = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < 16; ++j) part = fmaf(w[j], x[size_t(b) * ldx + 16 * blk + j], part);
+        acc[q][b] = fmaf(part, s, acc[q][b]);
+      }
+    }
+  }
+}
+
 // Partial dot products of rows row0 .. row0+R-1 (clamped to the matrix) with B activation rows
-// x[b * ldx ...]. Lane l takes the 8-weight groups l, l + 32, ...: its codes (4 bytes), scales and
-// x values are contiguous across the warp. acc[r][b] += partial; the caller reduces the warp.
-// NVFP4 lanes take 32-weight groups instead (16 bytes of codes per load).
-// `first`/`step` split K between the warps of a block: this warp takes groups first + lane,
-// first + lane + step, ... (first = warp * 32, step = 32 * warps); one warp alone: 0 and 32.
+// x[b * ldx ...], in any storage format. Lane l takes the 8-weight groups l, l + 32, ... (NVFP4:
+// 32-weight groups, see nvfp4_rows_dot): its codes, scales and x values are contiguous across the
+// warp. acc[r][b] += partial; the caller reduces the warp. `first`/`step` as in nvfp4_rows_dot.
 template <int R, int B>
 __device__ __forceinline__ void rows_dot_partial(const DLinear& W, int row0, const float* __restrict__ x, int ldx,
                                                  int lane, float (&acc)[R][B], int first = 0, int step = 32) {
@@ -47,73 +144,12 @@ __device__ __forceinline__ void rows_dot_partial(const DLinear& W, int row0, con
   #pragma unroll
   for (int r = 0; r < R; ++r) rows[r] = min(row0 + r, W.out - 1);
   if (W.format == DFormat::NVFP4) {
-    const float unscale = kE2M1Unscale * W.scale2;
-    // Main part: 32-weight groups, 16 bytes of codes per lane and row, so that enough bytes are
-    // in flight to cover memory latency; x is read 8 weights at a time to bound registers.
-    const int groups32 = (K % 32) == 0 ? K / 32 : 0;
-    #pragma unroll 1
-    for (int g = first + lane; g < groups32; g += step) {
-      uint4 c[R];
-      uint32_t sc[R];
-      #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        c[r] = __ldg(reinterpret_cast<const uint4*>(W.data + size_t(rows[r]) * (K / 2)) + g);
-        sc[r] = __ldg(reinterpret_cast<const uint16_t*>(W.scales + size_t(rows[r]) * (K / 16)) + g);
-      }
-      #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float xv[B][8];
-        #pragma unroll
-        for (int b = 0; b < B; ++b) {
-          const float4 a = *reinterpret_cast<const float4*>(x + size_t(b) * ldx + 32 * g + 8 * i);
-          const float4 d = *reinterpret_cast<const float4*>(x + size_t(b) * ldx + 32 * g + 8 * i + 4);
-          xv[b][0] = a.x, xv[b][1] = a.y, xv[b][2] = a.z, xv[b][3] = a.w;
-          xv[b][4] = d.x, xv[b][5] = d.y, xv[b][6] = d.z, xv[b][7] = d.w;
-        }
-        #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const uint32_t word = i == 0 ? c[r].x : i == 1 ? c[r].y : i == 2 ? c[r].z : c[r].w;
-          const float s = e4m3_to_float(uint8_t(sc[r] >> (8 * (i / 2)))) * unscale;
-          float w[8];
-          #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 p = e2m1x2_scaled((word >> (8 * j)) & 0xffu);
-            w[2 * j] = p.x, w[2 * j + 1] = p.y;
-          }
-          #pragma unroll
-          for (int b = 0; b < B; ++b) {
-            float part = 0.0f;
-            #pragma unroll
-            for (int j = 0; j < 8; ++j) part = fmaf(w[j], xv[b][j], part);
-            acc[r][b] = fmaf(part, s, acc[r][b]);
-          }
-        }
-      }
-    }
-    // K % 32 == 16 (rows not 16-byte aligned): 16-weight blocks, 8 bytes of codes per load.
-    #pragma unroll 1
-    for (int blk = (K % 32) == 0 ? K / 16 : first + lane; blk < K / 16; blk += step) {
-      #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const uint2 c = __ldg(reinterpret_cast<const uint2*>(W.data + size_t(rows[r]) * (K / 2)) + blk);
-        const float s = e4m3_to_float(__ldg(W.scales + size_t(rows[r]) * (K / 16) + blk)) * unscale;
-        #pragma unroll
-        for (int b = 0; b < B; ++b) {
-          float part = 0.0f;
-          #pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const float2 p = e2m1x2_scaled(((j < 4 ? c.x : c.y) >> (8 * (j & 3))) & 0xffu);
-            part = fmaf(p.x, x[size_t(b) * ldx + 16 * blk + 2 * j], part);
-            part = fmaf(p.y, x[size_t(b) * ldx + 16 * blk + 2 * j + 1], part);
-          }
-          acc[r][b] = fmaf(part, s, acc[r][b]);
-        }
-      }
-    }
+    const NvRows mat[1] = {nv_rows(W, row0)};
+    nvfp4_rows_dot<1, R, B>(mat, K, x, ldx, lane, acc, first, step);
     return;
   }
   if (W.format == DFormat::BF16 && K % 8 == 0) {
-    #pragma unroll 2
+    #pragma unroll 1
     for (int g = first + lane; g < K / 8; g += step) {
       float xv[B][8];
       #pragma unroll
@@ -164,6 +200,44 @@ __device__ __forceinline__ void row_dot_partial(const DLinear& W, int row, const
   rows_dot_partial<1, B>(W, row, x, ldx, lane, a);
   #pragma unroll
   for (int b = 0; b < B; ++b) acc[b] += a[0][b];
+}
+
+// Gate and up rows row0 .. row0+R-1 of a gated FFN: g[r][b] += gate partial, u[r][b] += up
+// partial. When both are NVFP4 the 2R rows' codes are loaded together (twice the bytes in flight).
+template <int R, int B>
+__device__ __forceinline__ void gated_rows_dot_partial(const DLinear& G, const DLinear& U, int row0,
+                                                       const float* __restrict__ x, int ldx, int lane,
+                                                       float (&g)[R][B], float (&u)[R][B], int first, int step) {
+  if (G.format == DFormat::NVFP4 && U.format == DFormat::NVFP4 && G.in == U.in) {
+    const NvRows mat[2] = {nv_rows(G, row0), nv_rows(U, row0)};
+    float acc[2 * R][B];
+    #pragma unroll
+    for (int q = 0; q < 2 * R; ++q)
+      #pragma unroll
+      for (int b = 0; b < B; ++b) acc[q][b] = 0.0f;
+    nvfp4_rows_dot<2, R, B>(mat, G.in, x, ldx, lane, acc, first, step);
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+      #pragma unroll
+      for (int b = 0; b < B; ++b) g[r][b] += acc[r][b], u[r][b] += acc[R + r][b];
+    return;
+  }
+  rows_dot_partial<R, B>(G, row0, x, ldx, lane, g, first, step);
+  rows_dot_partial<R, B>(U, row0, x, ldx, lane, u, first, step);
+}
+
+// Prefetches rows [row0, row0 + rows) of W (values or codes, and scales) into L2.
+__device__ __forceinline__ void prefetch_rows_l2(const DLinear& W, int row0, int rows) {
+  rows = min(rows, W.out - row0);
+  if (rows <= 0) return;
+  const size_t K = size_t(W.in);
+  if (W.format == DFormat::NVFP4) {
+    prefetch_bytes_l2(W.data + size_t(row0) * (K / 2), size_t(rows) * (K / 2));
+    prefetch_bytes_l2(W.scales + size_t(row0) * (K / 16), size_t(rows) * (K / 16));
+    return;
+  }
+  const size_t elt = W.format == DFormat::F32 ? 4 : 2;
+  prefetch_bytes_l2(W.data + size_t(row0) * K * elt, size_t(rows) * K * elt);
 }
 
 template <int B>

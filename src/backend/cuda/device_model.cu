@@ -161,6 +161,7 @@ std::unique_ptr<DeviceModel> DeviceModel::upload(const Model& m) {
         u.push_back(d->put(e.up));
         dn.push_back(d->put(e.down));
       }
+      moe.expert_gate = g[0];
       moe.gate = d->put_array(g);
       moe.up = d->put_array(u);
       moe.down = d->put_array(dn);
@@ -224,6 +225,7 @@ std::unique_ptr<DeviceModel> DeviceModel::random(const ModelConfig& c, uint64_t 
         u.push_back(lin(ep + std::to_string(e) + "." + c.expert_up, I, H));
         dn.push_back(lin(ep + std::to_string(e) + "." + c.expert_down, H, I));
       }
+      moe.expert_gate = g[0];
       moe.gate = d->put_array(g);
       moe.up = d->put_array(u);
       moe.down = d->put_array(dn);

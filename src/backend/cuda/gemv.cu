@@ -1,6 +1,7 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/dequant.cuh"
 #include "backend/cuda/gemv.h"
+#include "backend/cuda/launch.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -28,6 +29,8 @@ __global__ void __launch_bounds__(kWarps * 32) linear_kernel(Jobs jobs, const fl
   const DLinear& W = jobs.j[j].w;
   const int ks = jobs.ks[j];
   const int row0 = (blk * (kWarps / ks) + warp / ks) * R;
+  prefetch_rows_l2(W, blk * (kWarps / ks) * R, (kWarps / ks) * R);
+  pdl_enter();
   float acc[R][B];
   #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -58,15 +61,15 @@ __global__ void __launch_bounds__(kWarps * 32) gated_kernel(DLinear gate, DLinea
   __shared__ float red[kWarps * R * B];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row0 = (blockIdx.x * (kWarps / ks) + warp / ks) * R;
+  prefetch_rows_l2(gate, blockIdx.x * (kWarps / ks) * R, (kWarps / ks) * R);
+  prefetch_rows_l2(up, blockIdx.x * (kWarps / ks) * R, (kWarps / ks) * R);
+  pdl_enter();
   float g[R][B], u[R][B];
   #pragma unroll
   for (int r = 0; r < R; ++r)
     #pragma unroll
     for (int b = 0; b < B; ++b) g[r][b] = u[r][b] = 0.0f;
-  if (row0 < gate.out) {
-    rows_dot_partial<R, B>(gate, row0, x, gate.in, lane, g, (warp % ks) * 32, ks * 32);
-    rows_dot_partial<R, B>(up, row0, x, up.in, lane, u, (warp % ks) * 32, ks * 32);
-  }
+  if (row0 < gate.out) gated_rows_dot_partial<R, B>(gate, up, row0, x, gate.in, lane, g, u, (warp % ks) * 32, ks * 32);
   group_sum<R, B>(g, red, ks);
   __syncthreads();
   group_sum<R, B>(u, red, ks);
@@ -119,7 +122,7 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
         J.blocks_total += J.blocks[i];
       }
       const unsigned grid = unsigned(J.blocks_total);
-      linear_kernel<B()><<<grid, kWarps * 32, 0, s>>>(J, xb, accumulate ? 1 : 0);
+      launch(linear_kernel<B()>, dim3(grid), dim3(kWarps * 32), 0, s, J, xb, accumulate ? 1 : 0);
     });
     KESTREL_CUDA_LAUNCHED();
   }
@@ -132,7 +135,8 @@ void launch_gated(const DLinear& gate, const DLinear& up, const float* x, int ba
       constexpr int R = rows_per_warp<B()>();
       const int ks = warps_per_row(gate), rows_per_block = (kWarps / ks) * R;
       const unsigned grid = unsigned((gate.out + rows_per_block - 1) / rows_per_block);
-      gated_kernel<B()><<<grid, kWarps * 32, 0, s>>>(gate, up, ks, x + size_t(b0) * gate.in, out + size_t(b0) * gate.out);
+      launch(gated_kernel<B()>, dim3(grid), dim3(kWarps * 32), 0, s, gate, up, ks, x + size_t(b0) * gate.in,
+             out + size_t(b0) * gate.out);
     });
     KESTREL_CUDA_LAUNCHED();
   }

@@ -3,6 +3,7 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/dequant.cuh"
 #include "backend/cuda/gemv.h"
+#include "backend/cuda/launch.cuh"
 #include "backend/cuda/moe.h"
 
 namespace kestrel::cuda {
@@ -10,7 +11,8 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kMaxExperts = 1024;
-constexpr int kExpertRows = 4;  // rows per warp in the expert kernels
+constexpr int kGateUpRows = 4;  // gate rows (and as many up rows) per warp in gate_up_kernel
+constexpr int kDownRows = 4;    // rows per warp in down_kernel (8 spills registers)
 
 // Largest value in v[0..n) (ties: lowest index) across one warp. Returns the index.
 __device__ int warp_argmax(const float* v, int n, int lane) {
@@ -33,6 +35,8 @@ __global__ void __launch_bounds__(32) select_kernel(DRouter r, const float* __re
   __shared__ int sel[32];
   const int b = blockIdx.x, lane = threadIdx.x & 31;
   const int E = r.experts;
+  pdl_enter();
+  #pragma unroll 4
   for (int e = lane; e < E; e += 32) score[e] = logits[size_t(b) * E + e] + (r.w.bias ? r.w.bias[e] : 0.0f);
   __syncwarp();
   if (!r.sigmoid) {
@@ -97,11 +101,12 @@ __global__ void __launch_bounds__(32) select_kernel(DRouter r, const float* __re
 
 // Grid: (rows / kWarps, slots). Slot s < batch*top_k is token s / top_k's j-th expert; the
 // slots after those are the shared expert of each token.
-__global__ void __launch_bounds__(kWarps * 32) gate_up_kernel(DMoe m, int batch, const float* __restrict__ x,
+__global__ void __launch_bounds__(kWarps * 32, 3) gate_up_kernel(DMoe m, int batch, const float* __restrict__ x,
                                                               const int32_t* __restrict__ experts, float* __restrict__ act,
                                                               int act_stride) {
-  constexpr int R = kExpertRows;
+  constexpr int R = kGateUpRows;
   __shared__ float red[kWarps * R];
+  pdl_enter();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int s = blockIdx.y, K = m.router.top_k;
   const bool shared = s >= batch * K;
@@ -115,10 +120,7 @@ __global__ void __launch_bounds__(kWarps * 32) gate_up_kernel(DMoe m, int batch,
   float gv[R][1], uv[R][1];
   #pragma unroll
   for (int r = 0; r < R; ++r) gv[r][0] = uv[r][0] = 0.0f;
-  if (row0 < g.out) {
-    rows_dot_partial<R, 1>(g, row0, xb, g.in, lane, gv, (warp % ks) * 32, ks * 32);
-    rows_dot_partial<R, 1>(u, row0, xb, u.in, lane, uv, (warp % ks) * 32, ks * 32);
-  }
+  if (row0 < g.out) gated_rows_dot_partial<R, 1>(g, u, row0, xb, g.in, lane, gv, uv, (warp % ks) * 32, ks * 32);
   group_sum<R, 1>(gv, red, ks);
   __syncthreads();
   group_sum<R, 1>(uv, red, ks);
@@ -131,11 +133,12 @@ __global__ void __launch_bounds__(kWarps * 32) gate_up_kernel(DMoe m, int batch,
 // One block per (output element, token): warp w takes the token's slots w, w + kWarps, ...
 // (the shared expert is the last slot) and the partial sums are added in slot order, so the
 // result does not depend on scheduling.
-__global__ void __launch_bounds__(kWarps * 32) down_kernel(DMoe m, int batch, const int32_t* __restrict__ experts,
+__global__ void __launch_bounds__(kWarps * 32, 3) down_kernel(DMoe m, int batch, const int32_t* __restrict__ experts,
                                                            const float* __restrict__ weights, const float* __restrict__ act,
                                                            int act_stride, float* __restrict__ residual) {
-  constexpr int R = kExpertRows;
+  constexpr int R = kDownRows;
   __shared__ float part[kWarps][R];
+  pdl_enter();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row0 = blockIdx.x * R, b = blockIdx.y, K = m.router.top_k;
   const int hidden = m.router.w.in, slots = K + (m.has_shared ? 1 : 0);
@@ -193,7 +196,7 @@ void launch_route(const DRouter& r, const float* x, int batch, float* logits, in
   w.bias = nullptr;  // added by the selection
   const LinearJob job{w, logits};
   launch_linear(&job, 1, x, batch, false, stream);
-  select_kernel<<<batch, 32, 0, stream>>>(r, logits, experts, weights);
+  launch(select_kernel, dim3(unsigned(batch)), dim3(32), 0, stream, r, logits, experts, weights);
   KESTREL_CUDA_LAUNCHED();
 }
 
@@ -204,17 +207,21 @@ void launch_moe(const DMoe& m, const float* x, int batch, float* residual, const
 
 void launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s,
                         cudaStream_t stream) {
+  if (m.expert_gate.out != m.width) fail("internal: DMoe.expert_gate does not describe the experts");
   const int slots = batch * m.router.top_k + (m.has_shared ? batch : 0);
-  // Blocks cover the rows of the widest slot at the fewest rows per block any slot uses.
-  const int rows = std::max(m.width, m.has_shared ? m.shared_gate.out : 0);
-  const int min_rows_per_block = kExpertRows;
-  gate_up_kernel<<<dim3(unsigned((rows + min_rows_per_block - 1) / min_rows_per_block), unsigned(slots)),
-                   kWarps * 32, 0, stream>>>(
-      m, batch, x, s.experts, s.act, s.act_stride);
+  // Blocks cover the rows of the widest slot: a block holds (kWarps / ks) * kGateUpRows rows,
+  // ks = warps_per_row, which is the same for every routed expert but may differ for the shared one.
+  auto blocks_for = [](const DLinear& w) {
+    const int rows_per_block = (kWarps / warps_per_row(w)) * kGateUpRows;
+    return (w.out + rows_per_block - 1) / rows_per_block;
+  };
+  const int blocks = std::max(blocks_for(m.expert_gate), m.has_shared ? blocks_for(m.shared_gate) : 0);
+  launch(gate_up_kernel, dim3(unsigned(blocks), unsigned(slots)), dim3(kWarps * 32), 0, stream, m, batch, x,
+         s.experts, s.act, s.act_stride);
   KESTREL_CUDA_LAUNCHED();
   const int hidden = m.router.w.in;
-  down_kernel<<<dim3(unsigned((hidden + kExpertRows - 1) / kExpertRows), unsigned(batch)), kWarps * 32, 0, stream>>>(
-      m, batch, s.experts, s.weights, s.act, s.act_stride, residual);
+  launch(down_kernel, dim3(unsigned((hidden + kDownRows - 1) / kDownRows), unsigned(batch)), dim3(kWarps * 32), 0,
+         stream, m, batch, s.experts, s.weights, s.act, s.act_stride, residual);
   KESTREL_CUDA_LAUNCHED();
 }
 

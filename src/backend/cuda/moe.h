@@ -27,6 +27,7 @@ struct DMoe {
   const DLinear* gate = nullptr;  // device arrays [experts]
   const DLinear* up = nullptr;
   const DLinear* down = nullptr;
+  DLinear expert_gate;            // expert 0's gate as the host sees it: shape and format of all experts' gates
   int width = 0;                  // expert intermediate size
   int has_shared = 0;
   DLinear shared_gate, shared_up, shared_down;

@@ -1,0 +1,65 @@
+// Kernel launches with programmatic dependent launch (PDL, Hopper): a kernel's blocks start while
+// the previous kernel in the stream is still running, prefetch the weights they will read, and
+// wait in pdl_enter() until the previous kernel has finished and its writes are visible. Inside
+// a captured decode step this hides each launch's ramp-up behind its predecessor.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "backend/cuda/check.h"
+
+namespace kestrel::cuda {
+
+// KESTREL_PDL=0 launches every kernel plainly (for A/B measurement).
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("KESTREL_PDL");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
+
+// Every kernel launched through launch() calls this before it touches memory that another
+// kernel writes or reads (anything but weights): it waits for the previous kernel, then lets the
+// next one start. Without PDL both instructions are no-ops. Waiting before triggering keeps at
+// most one kernel waiting behind a running one, so a waiting kernel never holds SMs that the
+// running kernel's unscheduled blocks need.
+__device__ __forceinline__ void pdl_enter() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// Prefetches [p, p + bytes) into L2, one 128-byte line per thread of the block at a time.
+__device__ __forceinline__ void prefetch_bytes_l2(const void* p, size_t bytes) {
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(127);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
+  for (uintptr_t a = begin + uintptr_t(threadIdx.x) * 128; a < end; a += uintptr_t(blockDim.x) * 128)
+    prefetch_l2(reinterpret_cast<const void*>(a));
+}
+
+// Launches kernel<<<grid, block, smem, s>>>(args...), with PDL unless disabled or on the legacy
+// default stream.
+template <typename... KArgs, typename... Args>
+void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  if (s != nullptr && pdl_enabled()) {
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+}  // namespace kestrel::cuda
