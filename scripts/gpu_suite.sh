@@ -29,6 +29,17 @@ tests_rc=$?
 set -e
 grep -E "^\[  FAILED  \]|worst rel|Failure|Expected|Which is|actual" "$OUT/gpu_tests.log" | head -40 || true
 
+# The commands on the GPU: a fixture's logits through `--device cuda` against `--device cpu`.
+fx=tests/fixtures/qwen3moe-nvfp4
+for d in cpu cuda; do
+  "$BUILD/src/kestrel" logits --model "$fx" --tokens 1,5,9,13,17,21 --device "$d" --out "$OUT/logits_$d.bin" 2>>"$OUT/cli.txt"
+done
+python3 -c "
+import numpy as np, sys
+a, b = (np.fromfile(sys.argv[i], dtype=np.float32) for i in (1, 2))
+print(f'cli: kestrel logits --device cuda vs cpu on $fx: rel L2 {np.linalg.norm(a - b) / np.linalg.norm(b):.2e}')
+" "$OUT/logits_cuda.bin" "$OUT/logits_cpu.bin" | tee -a "$OUT/cli.txt"
+
 bench() {  # name, then kestrel bench arguments
   local name=$1; shift
   echo "== $name: kestrel bench $*" >>"$OUT/bench.txt"
@@ -43,5 +54,6 @@ fi
 echo
 echo "== kestrel GPU suite =="
 printf "tests: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests.log" | tr '\n' ' ')"
+grep "^cli:" "$OUT/cli.txt" || true
 [ -f "$OUT/bench.txt" ] && grep -E "^== |^ *(batch|[0-9])|^  [a-z_]+ +[0-9]|^  total" "$OUT/bench.txt" | grep -v "random weights" || true
 exit $tests_rc

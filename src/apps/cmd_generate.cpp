@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "apps/commands.h"
-#include "backend/cpu/forward.h"
+#include "apps/runner.h"
 #include "common/error.h"
 #include "formats/gguf_vocab.h"
 #include "model/weights.h"
@@ -28,6 +28,7 @@ struct Options {
   SamplerOptions sampling;
   std::vector<std::string> stops;
   int threads = 0;
+  std::string device = "auto";
 };
 
 // The chat template and the special-token strings it may refer to.
@@ -93,7 +94,9 @@ Run add_generate(CLI::App& app) {
   app.add_option("--seed", o->sampling.seed, "Random seed (default 0)");
   app.add_option("--stop", o->stops, "Stop when this text appears (repeatable)");
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
+  app.add_option("--device", o->device, "auto (the GPU when it can run the model), cpu or cuda");
   return [o]() {
+    check_device_option(o->device);
     if (o->max_tokens < 0) fail("--max-tokens: must be >= 0, got ", o->max_tokens);
     if (!o->system.empty() && !o->chat) fail("--system: needs --chat");
     check_sampler_options(o->sampling);
@@ -123,21 +126,16 @@ Run add_generate(CLI::App& app) {
     const std::vector<int64_t>& eos = model->config.eos_token_ids;
     auto is_eos = [&](int32_t id) { return std::find(eos.begin(), eos.end(), int64_t(id)) != eos.end(); };
 
-    ThreadPool pool(o->threads);
-    cpu::Forward fwd(*model, pool);
-    KvCache cache = fwd.make_cache(int64_t(prompt.size()) + o->max_tokens + 1);
+    auto runner = Runner::make(*model, o->device, int64_t(prompt.size()) + o->max_tokens + 1, o->threads);
     Sampler sampler(o->sampling);
     text::StreamDecoder stream(tok, true);
     StopMatcher stop(o->stops);
 
     using clock = std::chrono::steady_clock;
-    std::vector<float> logits(size_t(int64_t(prompt.size()) * V));
+    std::vector<float> last(static_cast<size_t>(V));
     const auto t0 = clock::now();
-    fwd.run(prompt, cache, logits.data());
+    runner->run(prompt, last.data(), false);
     const double prefill_s = std::chrono::duration<double>(clock::now() - t0).count();
-    std::vector<float> last(logits.end() - V, logits.end());
-    logits.clear();
-    logits.shrink_to_fit();
 
     std::vector<int32_t> history = prompt;
     int generated = 0, decode_steps = 0;
@@ -150,7 +148,7 @@ Run add_generate(CLI::App& app) {
       emit(stop.push(stream.push(next)));
       if (stop.stopped() || generated == o->max_tokens) break;
       const auto t = clock::now();
-      fwd.run({&next, 1}, cache, last.data());
+      runner->run({&next, 1}, last.data(), false);
       decode_s += std::chrono::duration<double>(clock::now() - t).count();
       ++decode_steps;
     }
@@ -160,9 +158,9 @@ Run add_generate(CLI::App& app) {
     }
     emit("\n");
     std::fprintf(stderr,
-                 "prompt tokens: %zu, generated tokens: %d, prefill: %.1f tokens/s, decode: %.1f tokens/s (%d threads)\n",
+                 "prompt tokens: %zu, generated tokens: %d, prefill: %.1f tokens/s, decode: %.1f tokens/s (%s)\n",
                  prompt.size(), generated, double(prompt.size()) / prefill_s,
-                 decode_steps ? double(decode_steps) / decode_s : 0.0, pool.size());
+                 decode_steps ? double(decode_steps) / decode_s : 0.0, runner->describe().c_str());
     return 0;
   };
 }

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "apps/commands.h"
-#include "backend/cpu/forward.h"
+#include "apps/runner.h"
 #include "common/error.h"
 #include "model/weights.h"
 
@@ -37,6 +37,7 @@ struct Options {
   std::string model, tokens, out;
   bool decode = false;
   int threads = 0;
+  std::string device = "auto";
 };
 
 }  // namespace
@@ -48,27 +49,27 @@ Run add_logits(CLI::App& app) {
   app.add_option("--out", o->out, "Output file: float32 little-endian logits [tokens, vocab]")->required();
   app.add_flag("--decode", o->decode, "Feed the tokens one at a time through the KV cache (decode path)");
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
+  app.add_option("--device", o->device, "auto (the GPU when it can run the model), cpu or cuda");
   return [o]() {
+    check_device_option(o->device);
     const std::vector<int32_t> tokens = parse_tokens(o->tokens);
     auto model = load_model(o->model);
     const int64_t V = model->config.vocab_size, T = int64_t(tokens.size());
-    ThreadPool pool(o->threads);
-    cpu::Forward fwd(*model, pool);
-    KvCache cache = fwd.make_cache(T);
+    auto runner = Runner::make(*model, o->device, T, o->threads);
     std::vector<float> logits(static_cast<size_t>(T * V));
     const auto t0 = std::chrono::steady_clock::now();
     if (o->decode) {
-      for (int64_t t = 0; t < T; ++t) fwd.run({tokens.data() + t, 1}, cache, logits.data() + t * V);
+      for (int64_t t = 0; t < T; ++t) runner->run({tokens.data() + t, 1}, logits.data() + t * V, true);
     } else {
-      fwd.run(tokens, cache, logits.data());
+      runner->run(tokens, logits.data(), true);
     }
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::ofstream out(o->out, std::ios::binary);
     if (!out) fail(o->out, ": cannot open for writing");
     out.write(reinterpret_cast<const char*>(logits.data()), std::streamsize(logits.size() * sizeof(float)));
     if (!out) fail(o->out, ": write failed");
-    std::fprintf(stderr, "%lld tokens through the %s path in %.3f s (%.1f tokens/s, %d threads); logits [%lld, %lld] -> %s\n",
-                 (long long)T, o->decode ? "decode" : "prefill", secs, double(T) / secs, pool.size(), (long long)T,
+    std::fprintf(stderr, "%lld tokens through the %s path in %.3f s (%.1f tokens/s, %s); logits [%lld, %lld] -> %s\n",
+                 (long long)T, o->decode ? "decode" : "prefill", secs, double(T) / secs, runner->describe().c_str(), (long long)T,
                  (long long)V, o->out.c_str());
     return 0;
   };

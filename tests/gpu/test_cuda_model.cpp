@@ -4,6 +4,7 @@
 #include "../unit/fixture.h"
 #include "backend/cpu/forward.h"
 #include "backend/cuda/decoder.h"
+#include "backend/cuda/session.h"
 #include "device_buffer.h"
 #include "model/weights.h"
 
@@ -61,6 +62,32 @@ TEST_P(CudaModelTest, DecodeMatchesCpuAndTransformers) {
     worst_ref = std::max(worst_ref, er);
   }
   std::printf("  GPU decode: worst rel L2 %.2e vs CPU, %.2e vs transformers\n", worst_cpu, worst_ref);
+}
+
+// A Session (what generate and logits run on the GPU) gives the CPU's logits for a prompt run
+// at once, then for tokens run one by one after it, and refuses to run past its context.
+TEST_P(CudaModelTest, SessionMatchesCpu) {
+  const std::string dir = test::fixture_dir(GetParam());
+  auto model = load_model(dir);
+  const test::Reference ref = test::load_reference(dir);
+  const int64_t T = int64_t(ref.tokens.size()), V = ref.vocab, P = T / 2;
+  auto dm = cuda::DeviceModel::upload(*model);
+  cuda::Session session(*dm, int(T));
+  ThreadPool pool(2);
+  cpu::Forward fwd(*model, pool);
+  KvCache cache = fwd.make_cache(T);
+  std::vector<float> want(static_cast<size_t>(T * V)), got(static_cast<size_t>(P * V));
+  fwd.run(ref.tokens, cache, want.data());
+  session.run({ref.tokens.data(), size_t(P)}, got.data(), true);
+  for (int64_t t = 0; t < P; ++t)
+    EXPECT_LE(test::rel_l2(got.data() + t * V, want.data() + t * V, V), kVsCpu) << "position " << t;
+  std::vector<float> last(static_cast<size_t>(V));
+  for (int64_t t = P; t < T; ++t) {
+    session.run({ref.tokens.data() + t, 1}, last.data(), false);
+    EXPECT_LE(test::rel_l2(last.data(), want.data() + t * V, V), kVsCpu) << "position " << t;
+  }
+  EXPECT_EQ(session.position(), T);
+  EXPECT_THROW(session.run({ref.tokens.data(), 1}, last.data(), false), Error);
 }
 
 // Three sequences decoding side by side give what each gives alone; the graph replay gives what

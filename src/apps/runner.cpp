@@ -1,0 +1,93 @@
+#include "apps/runner.h"
+
+#include <cstdio>
+#include <vector>
+
+#include "backend/cpu/forward.h"
+#include "common/error.h"
+#include "common/thread_pool.h"
+#ifdef KESTREL_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "backend/cuda/device_model.h"
+#include "backend/cuda/session.h"
+#endif
+
+namespace kestrel::apps {
+namespace {
+
+class CpuRunner final : public Runner {
+ public:
+  CpuRunner(const Model& m, int64_t capacity, int threads)
+      : pool_(threads), fwd_(m, pool_), cache_(fwd_.make_cache(capacity)), vocab_(m.config.vocab_size) {}
+  void run(std::span<const int32_t> tokens, float* logits, bool all) override {
+    if (!logits || all || tokens.size() == 1) {
+      fwd_.run(tokens, cache_, logits);
+      return;
+    }
+    std::vector<float> every(tokens.size() * size_t(vocab_));
+    fwd_.run(tokens, cache_, every.data());
+    std::copy(every.end() - vocab_, every.end(), logits);
+  }
+  std::string describe() const override { return "cpu, " + std::to_string(pool_.size()) + " threads"; }
+
+ private:
+  ThreadPool pool_;
+  cpu::Forward fwd_;
+  KvCache cache_;
+  int64_t vocab_;
+};
+
+#ifdef KESTREL_HAVE_CUDA
+class CudaRunner final : public Runner {
+ public:
+  CudaRunner(const Model& m, int64_t capacity) {
+    if (capacity > INT32_MAX) fail("a context of ", capacity, " tokens is too long for the CUDA backend");
+    model_ = cuda::DeviceModel::upload(m);
+    session_ = std::make_unique<cuda::Session>(*model_, int(capacity));
+    cudaDeviceProp p{};
+    if (cudaGetDeviceProperties(&p, 0) == cudaSuccess) name_ = p.name;
+  }
+  void run(std::span<const int32_t> tokens, float* logits, bool all) override { session_->run(tokens, logits, all); }
+  std::string describe() const override { return "cuda, " + name_; }
+
+ private:
+  std::unique_ptr<cuda::DeviceModel> model_;
+  std::unique_ptr<cuda::Session> session_;
+  std::string name_ = "GPU 0";
+};
+
+bool gpu_present() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#endif
+
+}  // namespace
+
+void check_device_option(const std::string& device) {
+  if (device != "auto" && device != "cpu" && device != "cuda")
+    fail("--device: expected auto, cpu or cuda, got '", device, "'");
+}
+
+std::unique_ptr<Runner> Runner::make(const Model& model, const std::string& device, int64_t capacity, int threads) {
+  check_device_option(device);
+#ifdef KESTREL_HAVE_CUDA
+  if (device == "cuda") {
+    if (!gpu_present()) fail("--device cuda: no CUDA GPU is visible");
+    return std::make_unique<CudaRunner>(model, capacity);
+  }
+  if (device == "auto" && gpu_present()) {
+    try {
+      return std::make_unique<CudaRunner>(model, capacity);
+    } catch (const Error& e) {
+      std::fprintf(stderr, "kestrel: running on the CPU: %s\n", e.what());
+    }
+  }
+#else
+  if (device == "cuda") fail("--device cuda: this kestrel was built without CUDA");
+#endif
+  return std::make_unique<CpuRunner>(model, capacity, threads);
+}
+
+}  // namespace kestrel::apps

@@ -1,0 +1,29 @@
+// One sequence of a loaded model on the device the user chose: `--device auto|cpu|cuda` on the
+// commands that run a model. auto takes the GPU when this build has CUDA, a GPU is present and
+// the CUDA backend reads the model's weight formats, and the CPU otherwise (saying why).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "model/weights.h"
+
+namespace kestrel::apps {
+
+class Runner {
+ public:
+  // capacity: the most tokens the sequence will hold; threads: CPU threads (0: all cores).
+  static std::unique_ptr<Runner> make(const Model& model, const std::string& device, int64_t capacity, int threads);
+  virtual ~Runner() = default;
+  // Runs `tokens` at the next positions: all at once on the CPU (prefill), one decode step per
+  // token on the GPU. `logits` receives [tokens, vocab] if `all`, else the last token's [vocab].
+  virtual void run(std::span<const int32_t> tokens, float* logits, bool all) = 0;
+  // "cpu, 2 threads" or "cuda, NVIDIA H200".
+  virtual std::string describe() const = 0;
+};
+
+// The --device option's check, shared by the commands.
+void check_device_option(const std::string& device);
+
+}  // namespace kestrel::apps

@@ -1,0 +1,33 @@
+// One sequence on the GPU: tokens go in after those already run, one decode step (one graph
+// replay) per token, and the logits of a token come back to the host on request. Prompts are
+// run token by token through the decode graph; a batched prefill path is future work.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <span>
+
+#include "backend/cuda/decoder.h"
+
+namespace kestrel::cuda {
+
+class Session {
+ public:
+  Session(const DeviceModel& model, int max_context);
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  // Runs `tokens` at the next positions. When `logits` is not null it receives the logits of
+  // every token ([tokens, vocab]) if `all`, else those of the last token only ([vocab]).
+  void run(std::span<const int32_t> tokens, float* logits, bool all = false);
+  int position() const { return pos_; }
+
+ private:
+  Decoder dec_;
+  cudaStream_t stream_ = nullptr;
+  int pos_ = 0;
+  int64_t vocab_;
+};
+
+}  // namespace kestrel::cuda
