@@ -11,10 +11,9 @@
 #include "apps/commands.h"
 #include "apps/runner.h"
 #include "common/error.h"
-#include "formats/gguf_vocab.h"
 #include "model/weights.h"
 #include "runtime/sampler.h"
-#include "text/chat_template.h"
+#include "text/model_chat.h"
 #include "text/gguf_tokenizer.h"
 #include "text/tokenizer.h"
 
@@ -30,43 +29,6 @@ struct Options {
   int threads = 0;
   std::string device = "auto";
 };
-
-// The chat template and the special-token strings it may refer to.
-struct ChatSource {
-  std::string source;
-  nlohmann::ordered_json options = nlohmann::ordered_json::object();
-};
-
-ChatSource chat_source(const Model& model, const std::string& path) {
-  ChatSource c;
-  if (model.gguf) {
-    const GgufVocab v = read_gguf_vocab(model.gguf->index());
-    if (v.chat_template.empty())
-      fail(model.gguf->path(), ": metadata 'tokenizer.chat_template' is absent, so --chat cannot be used");
-    c.source = v.chat_template;
-    auto name = [&](int64_t id) { return id >= 0 && size_t(id) < v.tokens.size() ? v.tokens[size_t(id)] : std::string(); };
-    if (v.bos >= 0) c.options["bos_token"] = name(v.bos);
-    if (v.eos >= 0) c.options["eos_token"] = name(v.eos);
-    return c;
-  }
-  c.source = load_chat_template(path);
-  const std::filesystem::path cfg = std::filesystem::path(path) / "tokenizer_config.json";
-  if (std::filesystem::exists(cfg)) {
-    std::FILE* f = std::fopen(cfg.string().c_str(), "rb");
-    std::string text;
-    if (f) {
-      char buf[65536];
-      size_t n;
-      while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
-      std::fclose(f);
-    }
-    const auto j = nlohmann::json::parse(text, nullptr, false);
-    if (j.is_object())
-      for (const char* key : {"bos_token", "eos_token", "unk_token", "pad_token"})
-        if (j.contains(key) && j[key].is_string()) c.options[key] = j[key].get<std::string>();
-  }
-  return c;
-}
 
 void emit(const std::string& s) {
   if (s.empty()) return;
@@ -107,13 +69,10 @@ Run add_generate(CLI::App& app) {
 
     std::vector<int32_t> prompt;
     if (o->chat) {
-      const ChatSource cs = chat_source(*model, o->model);
       nlohmann::ordered_json messages = nlohmann::ordered_json::array();
       if (!o->system.empty()) messages.push_back({{"role", "system"}, {"content", o->system}});
       messages.push_back({{"role", "user"}, {"content", o->prompt}});
-      nlohmann::ordered_json opts = cs.options;
-      opts["add_generation_prompt"] = true;
-      const std::string text = ChatTemplate(cs.source).render(messages, opts);
+      const std::string text = text::load_model_chat(*model, o->model).prompt(messages);
       prompt = tok.encode(text, false, true);
     } else {
       prompt = tok.encode(o->prompt, true, true);

@@ -16,7 +16,10 @@ int main(int argc, char** argv) {
   };
   add("inspect", "Describe a model folder: architecture, layers, parameters, storage formats", kestrel::apps::add_inspect);
   add("logits", "Write the float32 logits of every position of a token sequence", kestrel::apps::add_logits);
-  add("generate", "Generate text from a prompt on the CPU, streamed to stdout", kestrel::apps::add_generate);
+  add("generate", "Generate text from a prompt, streamed to stdout", kestrel::apps::add_generate);
+#ifdef KESTREL_HAVE_SERVER
+  add("serve", "Serve the model over an OpenAI-compatible HTTP API", kestrel::apps::add_serve);
+#endif
   add("tokenize", "Encode text to token ids, or decode ids to text, with a tokenizer.json", kestrel::apps::add_tokenize);
 #ifdef KESTREL_HAVE_CUDA
   add("bench", "Time decode steps on the GPU against the memory-bandwidth floor", kestrel::apps::add_bench);

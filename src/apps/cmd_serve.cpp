@@ -1,0 +1,101 @@
+// kestrel serve: the OpenAI-compatible HTTP server (CPU backend). SIGINT/SIGTERM stop admitting,
+// let running requests finish within --grace seconds, cancel the rest and exit 0.
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <pthread.h>
+#include <string>
+#include <thread>
+
+#include "apps/commands.h"
+#include "common/error.h"
+#include "model/weights.h"
+#include "runtime/engine.h"
+#include "server/http_server.h"
+#include "text/gguf_tokenizer.h"
+#include "text/model_chat.h"
+
+namespace kestrel::apps {
+namespace {
+
+struct Options {
+  std::string model, host = "127.0.0.1", api_key, name;
+  int port = 8000, max_batch = 16, threads = 0;
+  int64_t context = 0, kv_tokens = 0;
+  double grace = 10.0;
+};
+
+}  // namespace
+
+Run add_serve(CLI::App& app) {
+  auto o = std::make_shared<Options>();
+  app.add_option("--model", o->model, "Model: Hugging Face folder, .gguf file, or a folder holding one .gguf")->required();
+  app.add_option("--host", o->host, "Address to listen on (default 127.0.0.1: this machine only)");
+  app.add_option("--port", o->port, "Port (default 8000; 0 picks a free one)");
+  app.add_option("--api-key", o->api_key, "Require 'Authorization: Bearer KEY' (default: no key)");
+  app.add_option("--served-model-name", o->name, "Model id clients ask for (default: the model's file or folder name)");
+  app.add_option("--max-batch", o->max_batch, "Sequences running at once (default 16)");
+  app.add_option("--context", o->context, "Most positions per sequence (default: the model's, at most 8192)");
+  app.add_option("--kv-tokens", o->kv_tokens, "KV cache positions shared by all sequences (default 32 x context)");
+  app.add_option("--grace", o->grace, "Seconds running requests get to finish on SIGINT/SIGTERM (default 10)");
+  app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
+  return [o]() {
+    if (o->port < 0 || o->port > 65535) fail("--port: expected 0..65535, got ", o->port);
+    if (o->grace < 0) fail("--grace: must be >= 0");
+    if (!std::filesystem::exists(o->model)) fail(o->model, ": no such file or folder");
+    // Signals go to the waiting thread below, not to whichever thread they happen to hit.
+    sigset_t signals;
+    sigemptyset(&signals);
+    sigaddset(&signals, SIGINT);
+    sigaddset(&signals, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+    const text::Tokenizer tok = text::load_tokenizer_for_model(o->model);
+    auto model = load_model(o->model);
+    std::optional<text::ModelChat> chat;
+    try {
+      chat = text::load_model_chat(*model, o->model);
+    } catch (const Error& e) {
+      std::fprintf(stderr, "kestrel: no chat template (%s); /v1/chat/completions will answer 400\n", e.what());
+    }
+    EngineOptions eo;
+    eo.max_batch = o->max_batch;
+    eo.context = o->context;
+    eo.kv_tokens = o->kv_tokens;
+    eo.threads = o->threads;
+    Engine engine(*model, eo);
+
+    server::ServerOptions so;
+    so.host = o->host;
+    so.port = o->port;
+    so.api_key = o->api_key;
+    so.model_name = o->name.empty() ? std::filesystem::path(o->model).filename().replace_extension().string() : o->name;
+    if (so.model_name.empty()) so.model_name = "model";
+    server::HttpServer http(engine, tok, chat, so);
+    const int port = http.bind();
+    std::fprintf(stderr, "kestrel: serving %s on http://%s:%d (context %lld, max batch %d, %lld KV positions)\n",
+                 so.model_name.c_str(), so.host.c_str(), port, (long long)engine.context(), eo.max_batch,
+                 (long long)engine.stats().kv_capacity);
+    std::fflush(stderr);
+
+    std::thread waiter([&] {
+      int sig = 0;
+      sigwait(&signals, &sig);
+      if (sig == 0) return;  // woken by the exit path below
+      std::fprintf(stderr, "kestrel: %s: finishing running requests (up to %.0f s), then exiting\n",
+                   sig == SIGINT ? "SIGINT" : "SIGTERM", o->grace);
+      engine.shutdown(o->grace);
+      http.stop();
+    });
+    http.serve();
+    pthread_kill(waiter.native_handle(), SIGTERM);  // no-op when the waiter already returned
+    waiter.join();
+    engine.shutdown(0);
+    std::fprintf(stderr, "kestrel: stopped\n");
+    return 0;
+  };
+}
+
+}  // namespace kestrel::apps

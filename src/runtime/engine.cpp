@@ -1,0 +1,234 @@
+#include "runtime/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "backend/cpu/forward.h"
+#include "common/error.h"
+#include "runtime/kv_cache.h"
+
+namespace kestrel {
+
+bool RequestStream::next(TokenEvent& e) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return !events_.empty() || ended_; });
+  if (events_.empty()) return false;
+  e = std::move(events_.front());
+  events_.pop_front();
+  if (e.finish != Finish::None) ended_ = true;
+  return true;
+}
+
+void RequestStream::push(TokenEvent e) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    events_.push_back(std::move(e));
+  }
+  cv_.notify_all();
+}
+
+struct Engine::Sequence {
+  GenerationRequest req;
+  std::shared_ptr<RequestStream> stream;
+  std::unique_ptr<KvCache> cache;
+  std::unique_ptr<Sampler> sampler;
+  std::vector<int32_t> history;  // prompt, then the generated tokens
+  size_t prefilled = 0;          // prompt tokens already run
+  int generated = 0;
+  int64_t reserved = 0;          // KV positions held
+  bool done = false;             // the end event was sent
+};
+
+Engine::Engine(const Model& model, const EngineOptions& o) : model_(model), o_(o), pool_(o.threads) {
+  const ModelConfig& c = model.config;
+  if (o_.max_batch < 1) fail("--max-batch: must be at least 1, got ", o_.max_batch);
+  if (o_.prefill_chunk < 1) fail("prefill chunk must be at least 1, got ", o_.prefill_chunk);
+  context_ = o_.context > 0 ? o_.context
+                            : std::min<int64_t>(c.max_position_embeddings > 0 ? c.max_position_embeddings : 8192, 8192);
+  if (c.max_position_embeddings > 0 && context_ > c.max_position_embeddings)
+    fail("--context: ", context_, " is more than the model's max_position_embeddings of ", c.max_position_embeddings);
+  if (o_.kv_tokens <= 0) o_.kv_tokens = 32 * context_;
+  fwd_ = std::make_unique<cpu::Forward>(model, pool_);
+  thread_ = std::thread([this] { loop(); });
+}
+
+Engine::~Engine() { shutdown(0.0); }
+
+std::shared_ptr<RequestStream> Engine::submit(GenerationRequest r) {
+  const int64_t V = model_.config.vocab_size;
+  if (r.prompt.empty()) fail("the prompt is empty");
+  for (int32_t t : r.prompt)
+    if (t < 0 || t >= V) fail("token id ", t, " is outside the vocabulary of ", V);
+  if (r.max_tokens < 0) fail("max_tokens must be >= 0, got ", r.max_tokens);
+  check_sampler_options(r.sampling);
+  const int64_t need = int64_t(r.prompt.size()) + r.max_tokens;
+  if (need > context_)
+    fail("the prompt has ", r.prompt.size(), " tokens and max_tokens is ", r.max_tokens, ": ", need,
+         " positions, more than the context of ", context_);
+  if (need > o_.kv_tokens)
+    fail("the request needs ", need, " KV positions; the server holds ", o_.kv_tokens, " in all");
+  auto s = std::make_unique<Sequence>();
+  s->req = std::move(r);
+  s->stream = std::make_shared<RequestStream>();
+  s->reserved = need;
+  auto stream = s->stream;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!accepting_) fail("the server is shutting down");
+    waiting_.push_back(std::move(s));
+  }
+  cv_.notify_all();
+  return stream;
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  EngineStats st;
+  st.running = int(running_.size());
+  st.waiting = int(waiting_.size());
+  st.kv_used = kv_used_;
+  st.kv_capacity = o_.kv_tokens;
+  st.prompt_tokens = prompt_tokens_;
+  st.generated_tokens = generated_tokens_;
+  return st;
+}
+
+void Engine::shutdown(double grace_s) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    accepting_ = false;
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(grace_s);
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if ((running_.empty() && waiting_.empty()) || std::chrono::steady_clock::now() >= until) {
+        stop_ = true;
+        break;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void Engine::finish(Sequence& s, Finish f, const std::string& error) {
+  TokenEvent e;
+  e.finish = f;
+  e.error = error;
+  s.stream->push(std::move(e));
+  s.cache.reset();
+  s.done = true;
+}
+
+void Engine::step(Sequence& s) {
+  const int64_t V = model_.config.vocab_size;
+  std::vector<float> logits;
+  if (s.prefilled < s.req.prompt.size()) {
+    const size_t n = std::min(s.req.prompt.size() - s.prefilled, size_t(o_.prefill_chunk));
+    const bool last = s.prefilled + n == s.req.prompt.size();
+    if (!last) {
+      fwd_->run({s.req.prompt.data() + s.prefilled, n}, *s.cache, nullptr);
+      s.prefilled += n;
+      return;
+    }
+    std::vector<float> all(n * size_t(V));
+    fwd_->run({s.req.prompt.data() + s.prefilled, n}, *s.cache, all.data());
+    s.prefilled += n;
+    logits.assign(all.end() - V, all.end());
+  } else {
+    logits.resize(size_t(V));
+    fwd_->run({&s.history.back(), 1}, *s.cache, logits.data());
+  }
+  TokenEvent e;
+  e.token = s.sampler->sample(logits, s.history, s.req.prompt.size());
+  if (s.req.top_logprobs >= 0) {
+    // log-softmax of the raw logits (what the model assigns, before sampling settings).
+    const float mx = *std::max_element(logits.begin(), logits.end());
+    double sum = 0;
+    for (float l : logits) sum += std::exp(double(l - mx));
+    const float lse = mx + float(std::log(sum));
+    e.logprob = logits[size_t(e.token)] - lse;
+    const int k = std::min<int>(s.req.top_logprobs, int(V));
+    std::vector<int32_t> ids(static_cast<size_t>(V));
+    for (int32_t i = 0; i < int32_t(V); ++i) ids[size_t(i)] = i;
+    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
+      return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
+    });
+    for (int i = 0; i < k; ++i) e.top.push_back({ids[size_t(i)], logits[size_t(ids[size_t(i)])] - lse});
+  }
+  const std::vector<int64_t>& eos = model_.config.eos_token_ids;
+  if (!s.req.ignore_eos && std::find(eos.begin(), eos.end(), int64_t(e.token)) != eos.end()) {
+    finish(s, Finish::Eos);
+    return;
+  }
+  s.history.push_back(e.token);
+  ++s.generated;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++generated_tokens_;
+  }
+  s.stream->push(std::move(e));
+  if (s.generated >= s.req.max_tokens) finish(s, Finish::Length);
+}
+
+void Engine::loop() {
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !running_.empty() || !waiting_.empty(); });
+      if (stop_) {
+        for (auto& s : running_) finish(*s, Finish::Cancelled, "the server shut down");
+        for (auto& s : waiting_) finish(*s, Finish::Cancelled, "the server shut down");
+        running_.clear();
+        waiting_.clear();
+        kv_used_ = 0;
+        return;
+      }
+      // Admission in arrival order: the first request that does not fit waits, and so do those
+      // behind it (no overtaking, so a large request is not starved).
+      while (!waiting_.empty() && int(running_.size()) < o_.max_batch &&
+             kv_used_ + waiting_.front()->reserved <= o_.kv_tokens) {
+        running_.push_back(std::move(waiting_.front()));
+        waiting_.pop_front();
+        kv_used_ += running_.back()->reserved;
+      }
+    }
+    for (auto& sp : running_) {
+      Sequence& s = *sp;
+      if (s.stream->cancelled()) {
+        finish(s, Finish::Cancelled);
+        continue;
+      }
+      try {
+        if (!s.cache) {
+          if (s.req.max_tokens == 0) {
+            finish(s, Finish::Length);
+            continue;
+          }
+          s.cache = std::make_unique<KvCache>(fwd_->make_cache(s.reserved));
+          s.sampler = std::make_unique<Sampler>(s.req.sampling);
+          s.history = s.req.prompt;
+          std::lock_guard<std::mutex> lock(mu_);
+          prompt_tokens_ += int64_t(s.req.prompt.size());
+        }
+        step(s);
+      } catch (const std::exception& ex) {
+        finish(s, Finish::Error, ex.what());
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = running_.begin(); it != running_.end();) {
+      if ((*it)->done) {
+        kv_used_ -= (*it)->reserved;
+        it = running_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+}
+
+}  // namespace kestrel

@@ -1,0 +1,257 @@
+#include "server/http_server.h"
+
+#include <httplib.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+
+#include "common/error.h"
+#include "runtime/sampler.h"
+#include "server/openai_api.h"
+#include "text/detokenize.h"
+
+namespace kestrel::server {
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+double seconds_since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
+
+int64_t unix_now() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::string new_id(Endpoint e) {
+  static std::atomic<uint64_t> counter{0};
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%s-%llx%06llx", e == Endpoint::Chat ? "chatcmpl" : "cmpl",
+                (unsigned long long)unix_now(), (unsigned long long)(++counter));
+  return buf;
+}
+
+void send_error(httplib::Response& res, const ApiError& e) {
+  res.status = e.status;
+  res.set_content(error_body(e), "application/json");
+}
+
+}  // namespace
+
+// One request's generation: engine events turned into text, stop strings, log-probabilities.
+struct HttpServer::Generation {
+  ApiRequest req;
+  Completion c;
+  std::shared_ptr<RequestStream> stream;
+  text::StreamDecoder decoder;
+  StopMatcher stop;
+  const text::Tokenizer& tok;
+  Metrics& metrics;
+  clock_type::time_point start = clock_type::now(), last_token;
+  bool finished = false;
+
+  Generation(ApiRequest r, const text::Tokenizer& t, Metrics& m)
+      : req(std::move(r)), decoder(t, true), stop(req.stop), tok(t), metrics(m) {}
+
+  // Waits for the next token or the end. Returns the new text and tokens; sets c.finish_reason
+  // and `finished` at the end. Throws ApiError when the engine failed or shut down.
+  void advance(std::string& delta, std::vector<TokenInfo>& tokens) {
+    TokenEvent e;
+    if (!stream->next(e)) throw ApiError(500, "the request's stream ended without a result");
+    if (e.finish == Finish::None) {
+      ++c.usage.completion_tokens;
+      const auto now = clock_type::now();
+      if (c.usage.completion_tokens == 1) metrics.first_token(seconds_since(start));
+      else metrics.inter_token(std::chrono::duration<double>(now - last_token).count());
+      last_token = now;
+      std::string piece = stop.push(decoder.push(e.token));
+      if (req.top_logprobs >= 0) {
+        TokenInfo info{tok.decode(std::span<const int32_t>(&e.token, 1)), e.logprob, {}};
+        for (const TokenLogprob& t : e.top) info.top.emplace_back(tok.decode(std::span<const int32_t>(&t.token, 1)), t.logprob);
+        tokens.push_back(std::move(info));
+      }
+      delta += piece;
+      if (stop.stopped()) {
+        stream->cancel();
+        end("stop");
+      }
+      return;
+    }
+    switch (e.finish) {
+      case Finish::Error: throw ApiError(500, "generation failed: " + e.error);
+      case Finish::Cancelled: throw ApiError(503, e.error.empty() ? "the request was cancelled" : e.error);
+      default: break;
+    }
+    delta += stop.push(decoder.flush());
+    if (!stop.stopped()) delta += stop.flush();
+    end(e.finish == Finish::Length && !stop.stopped() ? "length" : "stop");
+  }
+
+  void end(const char* reason) {
+    c.finish_reason = reason;
+    finished = true;
+    metrics.request_time(seconds_since(start));
+  }
+};
+
+HttpServer::HttpServer(Engine& engine, const text::Tokenizer& tok, std::optional<text::ModelChat> chat, ServerOptions o)
+    : engine_(engine), tok_(tok), chat_(std::move(chat)), o_(std::move(o)), svr_(std::make_unique<httplib::Server>()),
+      created_(unix_now()) {
+  const int threads = o_.threads;
+  svr_->new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
+  svr_->set_payload_max_length(8u << 20);
+  routes();
+}
+
+HttpServer::~HttpServer() = default;
+
+int HttpServer::bind() {
+  if (o_.port == 0) {
+    const int port = svr_->bind_to_any_port(o_.host);
+    if (port < 0) fail("cannot listen on ", o_.host, " (any port)");
+    return port;
+  }
+  if (!svr_->bind_to_port(o_.host, o_.port)) fail("cannot listen on ", o_.host, ":", o_.port, " (in use, or not an address of this machine)");
+  return o_.port;
+}
+
+void HttpServer::serve() { svr_->listen_after_bind(); }
+
+void HttpServer::stop() { svr_->stop(); }
+
+void HttpServer::routes() {
+  auto authorized = [this](const httplib::Request& req, httplib::Response& res) {
+    if (o_.api_key.empty()) return true;
+    if (req.get_header_value("Authorization") == "Bearer " + o_.api_key) return true;
+    send_error(res, ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')"));
+    return false;
+  };
+
+  svr_->Get("/health", [](const httplib::Request&, httplib::Response& res) { res.set_content("{\"status\":\"ok\"}", "application/json"); });
+
+  svr_->Get("/v1/models", [this, authorized](const httplib::Request& req, httplib::Response& res) {
+    if (!authorized(req, res)) return;
+    json m = {{"id", o_.model_name}, {"object", "model"}, {"created", created_}, {"owned_by", "kestrel"},
+              {"max_model_len", engine_.context()}};
+    res.set_content(dump(json{{"object", "list"}, {"data", json::array({m})}}), "application/json");
+  });
+
+  svr_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics_.render(engine_.stats()), "text/plain; version=0.0.4");
+  });
+
+  auto generate = [this, authorized](Endpoint endpoint, const std::string& name) {
+    return [this, authorized, endpoint, name](const httplib::Request& req, httplib::Response& res) {
+      if (!authorized(req, res)) return metrics_.request(name, res.status);
+      std::shared_ptr<Generation> g;
+      try {
+        ApiRequest r = parse_request(endpoint, req.body);
+        if (r.model != o_.model_name)
+          throw ApiError(404, "the model '" + r.model + "' does not exist; this server serves '" + o_.model_name + "'", "model");
+        GenerationRequest gr;
+        if (endpoint == Endpoint::Chat) {
+          if (!chat_) throw ApiError(400, "this model has no chat template; use /v1/completions", "messages");
+          try {
+            gr.prompt = tok_.encode(chat_->prompt(r.messages), false, true);
+          } catch (const Error& e) {
+            throw ApiError(400, std::string("the chat template failed on these messages: ") + e.what(), "messages");
+          }
+        } else {
+          gr.prompt = r.prompt_tokens.empty() ? tok_.encode(r.prompt, true, true) : r.prompt_tokens;
+        }
+        if (gr.prompt.empty()) throw ApiError(400, "the prompt encodes to no tokens", "prompt");
+        const int64_t room = engine_.context() - int64_t(gr.prompt.size());
+        if (room < 1)
+          throw ApiError(400, "the prompt has " + std::to_string(gr.prompt.size()) + " tokens; the context holds " +
+                                  std::to_string(engine_.context()),
+                         endpoint == Endpoint::Chat ? "messages" : "prompt");
+        gr.max_tokens = r.max_tokens ? *r.max_tokens : int(endpoint == Endpoint::Chat ? room : std::min<int64_t>(16, room));
+        gr.sampling = r.sampling;
+        gr.top_logprobs = r.top_logprobs;
+        gr.ignore_eos = r.ignore_eos;
+        const int64_t prompt_tokens = int64_t(gr.prompt.size());
+        g = std::make_shared<Generation>(std::move(r), tok_, metrics_);
+        try {
+          g->stream = engine_.submit(std::move(gr));
+        } catch (const Error& e) {
+          throw ApiError(400, e.what(), "max_tokens");
+        }
+        g->c.id = new_id(endpoint);
+        g->c.model = o_.model_name;
+        g->c.created = unix_now();
+        g->c.usage.prompt_tokens = prompt_tokens;
+      } catch (const ApiError& e) {
+        send_error(res, e);
+        return metrics_.request(name, res.status);
+      }
+
+      const bool logprobs = g->req.top_logprobs >= 0;
+      if (!g->req.stream) {
+        try {
+          while (!g->finished) {
+            std::string delta;
+            g->advance(delta, g->c.tokens);
+            g->c.text += delta;
+          }
+        } catch (const ApiError& e) {
+          g->stream->cancel();
+          send_error(res, e);
+          return metrics_.request(name, res.status);
+        }
+        res.set_content(dump(response_json(endpoint, g->c, logprobs)), "application/json");
+        return metrics_.request(name, 200);
+      }
+
+      metrics_.request(name, 200);
+      res.set_header("Cache-Control", "no-cache");
+      res.set_chunked_content_provider(
+          "text/event-stream",
+          [g, endpoint, logprobs](size_t, httplib::DataSink& sink) {
+            auto write = [&](const std::string& s) { return sink.write(s.data(), s.size()); };
+            bool first = true;
+            try {
+              while (!g->finished) {
+                std::string delta;
+                std::vector<TokenInfo> tokens;
+                g->advance(delta, tokens);
+                if (delta.empty() && tokens.empty() && !first) continue;
+                if (!write(sse(chunk_json(endpoint, g->c, delta, tokens, logprobs, "", first)))) {
+                  g->stream->cancel();  // the client went away
+                  return false;
+                }
+                first = false;
+              }
+              write(sse(chunk_json(endpoint, g->c, "", {}, false, g->c.finish_reason, first)));
+              if (g->req.include_usage) write(sse(usage_chunk_json(endpoint, g->c)));
+            } catch (const ApiError& e) {
+              g->stream->cancel();
+              write("data: " + error_body(e) + "\n\n");
+            }
+            write("data: [DONE]\n\n");
+            sink.done();
+            return true;
+          },
+          [g](bool) { g->stream->cancel(); });
+    };
+  };
+  svr_->Post("/v1/completions", generate(Endpoint::Completions, "completions"));
+  svr_->Post("/v1/chat/completions", generate(Endpoint::Chat, "chat_completions"));
+
+  svr_->set_error_handler([](const httplib::Request&, httplib::Response& res) {
+    if (!res.body.empty()) return;
+    const int status = res.status;
+    send_error(res, ApiError(status, status == 404 ? "no such endpoint" : "request failed with HTTP " + std::to_string(status)));
+    res.status = status;
+  });
+  svr_->set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+    std::string what = "internal error";
+    try {
+      std::rethrow_exception(ep);
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    send_error(res, ApiError(500, what));
+  });
+}
+
+}  // namespace kestrel::server

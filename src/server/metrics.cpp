@@ -1,0 +1,77 @@
+#include "server/metrics.h"
+
+#include <cstdio>
+
+namespace kestrel::server {
+namespace {
+
+std::string num(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.9g", v);
+  return buf;
+}
+
+void gauge(std::string& out, const char* name, const char* help, const char* type, double v) {
+  out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n" + name + " " + num(v) + "\n";
+}
+
+}  // namespace
+
+void Histogram::observe(double v) {
+  size_t i = 0;
+  while (i < bounds_.size() && v > bounds_[i]) ++i;
+  ++counts_[i];
+  sum_ += v;
+  ++count_;
+}
+
+void Histogram::render(std::string& out, const std::string& name, const std::string& help) const {
+  out += "# HELP " + name + " " + help + "\n# TYPE " + name + " histogram\n";
+  uint64_t cum = 0;
+  for (size_t i = 0; i < bounds_.size(); ++i) {
+    cum += counts_[i];
+    out += name + "_bucket{le=\"" + num(bounds_[i]) + "\"} " + std::to_string(cum) + "\n";
+  }
+  out += name + "_bucket{le=\"+Inf\"} " + std::to_string(count_) + "\n";
+  out += name + "_sum " + num(sum_) + "\n" + name + "_count " + std::to_string(count_) + "\n";
+}
+
+void Metrics::request(const std::string& endpoint, int status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++requests_[{endpoint, status}];
+}
+
+void Metrics::first_token(double s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ttft_.observe(s);
+}
+
+void Metrics::inter_token(double s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  itl_.observe(s);
+}
+
+void Metrics::request_time(double s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  e2e_.observe(s);
+}
+
+std::string Metrics::render(const EngineStats& e) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string out = "# HELP kestrel_requests_total HTTP requests by endpoint and status.\n# TYPE kestrel_requests_total counter\n";
+  for (const auto& [key, n] : requests_)
+    out += "kestrel_requests_total{endpoint=\"" + key.first + "\",status=\"" + std::to_string(key.second) + "\"} " +
+           std::to_string(n) + "\n";
+  gauge(out, "kestrel_prompt_tokens_total", "Prompt tokens run.", "counter", double(e.prompt_tokens));
+  gauge(out, "kestrel_generation_tokens_total", "Tokens generated.", "counter", double(e.generated_tokens));
+  gauge(out, "kestrel_requests_running", "Sequences in the running batch.", "gauge", e.running);
+  gauge(out, "kestrel_requests_waiting", "Requests queued for admission.", "gauge", e.waiting);
+  gauge(out, "kestrel_kv_positions_used", "KV cache positions reserved by running sequences.", "gauge", double(e.kv_used));
+  gauge(out, "kestrel_kv_positions_capacity", "KV cache positions in all.", "gauge", double(e.kv_capacity));
+  ttft_.render(out, "kestrel_time_to_first_token_seconds", "Time from request to first generated token.");
+  itl_.render(out, "kestrel_inter_token_latency_seconds", "Time between consecutive generated tokens.");
+  e2e_.render(out, "kestrel_request_duration_seconds", "Time from request to its last token.");
+  return out;
+}
+
+}  // namespace kestrel::server

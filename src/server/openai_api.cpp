@@ -1,0 +1,285 @@
+#include "server/openai_api.h"
+
+#include <cmath>
+#include <limits>
+
+namespace kestrel::server {
+namespace {
+
+ApiError bad(const std::string& param, const std::string& what) {
+  return ApiError(400, param.empty() ? what : "'" + param + "': " + what, param);
+}
+
+const char* type_name(const json& v) {
+  switch (v.type()) {
+    case json::value_t::null: return "null";
+    case json::value_t::boolean: return "a boolean";
+    case json::value_t::string: return "a string";
+    case json::value_t::array: return "an array";
+    case json::value_t::object: return "an object";
+    case json::value_t::number_float: return "a number";
+    default: return "an integer";
+  }
+}
+
+// Field readers: absent or null leaves the default.
+bool present(const json& j, const char* key) { return j.contains(key) && !j[key].is_null(); }
+
+double get_number(const json& j, const char* key, double lo, double hi) {
+  const json& v = j[key];
+  if (!v.is_number()) throw bad(key, std::string("expected a number, got ") + type_name(v));
+  const double d = v.get<double>();
+  if (!std::isfinite(d) || d < lo || d > hi)
+    throw bad(key, "must be between " + json(lo).dump() + " and " + json(hi).dump() + ", got " + v.dump());
+  return d;
+}
+
+int64_t get_int(const json& j, const char* key, int64_t lo, int64_t hi) {
+  const json& v = j[key];
+  if (!v.is_number_integer() && !(v.is_number_float() && std::floor(v.get<double>()) == v.get<double>()))
+    throw bad(key, std::string("expected an integer, got ") + type_name(v));
+  const double d = v.get<double>();
+  if (d < double(lo) || d > double(hi))
+    throw bad(key, "must be between " + std::to_string(lo) + " and " + std::to_string(hi) + ", got " + v.dump());
+  return int64_t(d);
+}
+
+bool get_bool(const json& j, const char* key) {
+  const json& v = j[key];
+  if (!v.is_boolean()) throw bad(key, std::string("expected a boolean, got ") + type_name(v));
+  return v.get<bool>();
+}
+
+std::string get_string(const json& j, const char* key) {
+  const json& v = j[key];
+  if (!v.is_string()) throw bad(key, std::string("expected a string, got ") + type_name(v));
+  return v.get<std::string>();
+}
+
+// Message content: a string, or an array of {"type": "text", "text": ...} parts joined.
+std::string message_content(const json& m, size_t i) {
+  const std::string where = "messages[" + std::to_string(i) + "].content";
+  if (!m.contains("content") || m["content"].is_null()) return "";
+  const json& c = m["content"];
+  if (c.is_string()) return c.get<std::string>();
+  if (!c.is_array()) throw bad(where, std::string("expected a string or an array of parts, got ") + type_name(c));
+  std::string out;
+  for (size_t k = 0; k < c.size(); ++k) {
+    const json& part = c[k];
+    if (!part.is_object() || !part.contains("type") || part["type"] != "text" || !part.contains("text") ||
+        !part["text"].is_string())
+      throw bad(where, "part " + std::to_string(k) + " is not a {\"type\": \"text\", \"text\": ...} part (only text is supported)");
+    out += part["text"].get<std::string>();
+  }
+  return out;
+}
+
+}  // namespace
+
+ApiError::ApiError(int s, std::string message, std::string p, std::string t)
+    : std::runtime_error(std::move(message)), status(s), param(std::move(p)), type(std::move(t)) {
+  if (type.empty())
+    type = status == 401 ? "authentication_error"
+           : status == 404 ? "not_found_error"
+           : status >= 500 ? "server_error"
+                           : "invalid_request_error";
+}
+
+std::string error_body(const ApiError& e) {
+  json err = {{"message", e.what()}, {"type", e.type}, {"param", nullptr}, {"code", nullptr}};
+  if (!e.param.empty()) err["param"] = e.param;
+  if (e.status == 404) err["code"] = "model_not_found";
+  return dump(json{{"error", err}});
+}
+
+ApiRequest parse_request(Endpoint endpoint, const std::string& body) {
+  json j = json::parse(body, nullptr, false);
+  if (j.is_discarded()) throw ApiError(400, "the request body is not valid JSON");
+  if (!j.is_object()) throw ApiError(400, std::string("the request body must be a JSON object, got ") + type_name(j));
+  ApiRequest r;
+  r.endpoint = endpoint;
+  if (!present(j, "model")) throw bad("model", "is required");
+  r.model = get_string(j, "model");
+
+  if (endpoint == Endpoint::Completions) {
+    if (!present(j, "prompt")) throw bad("prompt", "is required");
+    const json& p = j["prompt"];
+    auto token_list = [&](const json& a) {
+      for (const json& t : a) {
+        if (!t.is_number_integer()) throw bad("prompt", "a token list must hold only integers");
+        const int64_t id = t.get<int64_t>();
+        if (id < 0 || id > std::numeric_limits<int32_t>::max()) throw bad("prompt", "token id " + t.dump() + " is out of range");
+        r.prompt_tokens.push_back(int32_t(id));
+      }
+      if (r.prompt_tokens.empty()) throw bad("prompt", "the token list is empty");
+    };
+    if (p.is_string()) {
+      r.prompt = p.get<std::string>();
+    } else if (p.is_array() && p.size() == 1 && p[0].is_string()) {
+      r.prompt = p[0].get<std::string>();
+    } else if (p.is_array() && !p.empty() && p[0].is_number()) {
+      token_list(p);
+    } else if (p.is_array() && p.size() == 1 && p[0].is_array()) {
+      token_list(p[0]);
+    } else if (p.is_array() && p.size() > 1) {
+      throw bad("prompt", "several prompts in one request are not supported; send one request per prompt");
+    } else {
+      throw bad("prompt", std::string("expected a string or a list of token ids, got ") + type_name(p));
+    }
+    for (const char* k : {"suffix", "best_of"})
+      if (present(j, k) && !(std::string(k) == "best_of" && j[k] == 1)) throw bad(k, "is not supported");
+    if (present(j, "echo") && get_bool(j, "echo")) throw bad("echo", "is not supported");
+    if (present(j, "logprobs")) r.top_logprobs = int(get_int(j, "logprobs", 0, 20));
+  } else {
+    if (!present(j, "messages")) throw bad("messages", "is required");
+    const json& m = j["messages"];
+    if (!m.is_array() || m.empty()) throw bad("messages", "expected a non-empty array of messages");
+    for (size_t i = 0; i < m.size(); ++i) {
+      const json& msg = m[i];
+      const std::string where = "messages[" + std::to_string(i) + "]";
+      if (!msg.is_object()) throw bad(where, std::string("expected an object, got ") + type_name(msg));
+      if (!msg.contains("role") || !msg["role"].is_string()) throw bad(where + ".role", "is required and must be a string");
+      const std::string role = msg["role"].get<std::string>();
+      if (role != "system" && role != "user" && role != "assistant" && role != "developer" && role != "tool")
+        throw bad(where + ".role", "must be system, developer, user, assistant or tool, got '" + role + "'");
+      r.messages.push_back({{"role", role == "developer" ? "system" : role}, {"content", message_content(msg, i)}});
+    }
+    for (const char* k : {"tools", "functions", "tool_choice", "response_format"})
+      if (present(j, k) && !(std::string(k) == "response_format" && j[k].is_object() && j[k].value("type", "") == "text"))
+        throw bad(k, "is not supported");
+    const bool lp = present(j, "logprobs") && get_bool(j, "logprobs");
+    if (present(j, "top_logprobs")) {
+      const int n = int(get_int(j, "top_logprobs", 0, 20));
+      if (!lp) throw bad("top_logprobs", "needs 'logprobs': true");
+      r.top_logprobs = n;
+    } else if (lp) {
+      r.top_logprobs = 0;
+    }
+  }
+
+  const int64_t kMaxTokens = 1 << 30;
+  if (present(j, "max_completion_tokens")) r.max_tokens = int(get_int(j, "max_completion_tokens", 0, kMaxTokens));
+  else if (present(j, "max_tokens")) r.max_tokens = int(get_int(j, "max_tokens", 0, kMaxTokens));
+  if (present(j, "n") && get_int(j, "n", 1, 128) != 1) throw bad("n", "only n = 1 is supported");
+  if (present(j, "stream")) r.stream = get_bool(j, "stream");
+  if (present(j, "stream_options")) {
+    const json& so = j["stream_options"];
+    if (!so.is_object()) throw bad("stream_options", std::string("expected an object, got ") + type_name(so));
+    if (!r.stream) throw bad("stream_options", "is only allowed with 'stream': true");
+    if (present(so, "include_usage")) r.include_usage = get_bool(so, "include_usage");
+  }
+  SamplerOptions& s = r.sampling;
+  s.temperature = 1.0f;  // the API's default
+  if (present(j, "temperature")) s.temperature = float(get_number(j, "temperature", 0, 2));
+  if (present(j, "top_p")) s.top_p = float(get_number(j, "top_p", 0, 1));
+  if (s.top_p == 0.0f) throw bad("top_p", "must be greater than 0");
+  if (present(j, "top_k")) {
+    const int64_t k = get_int(j, "top_k", -1, 1 << 30);
+    s.top_k = k < 0 ? 0 : int(k);
+  }
+  if (present(j, "min_p")) s.min_p = float(get_number(j, "min_p", 0, 1));
+  if (present(j, "presence_penalty")) s.presence_penalty = float(get_number(j, "presence_penalty", -2, 2));
+  if (present(j, "frequency_penalty")) s.frequency_penalty = float(get_number(j, "frequency_penalty", -2, 2));
+  if (present(j, "repetition_penalty")) s.repetition_penalty = float(get_number(j, "repetition_penalty", 0.01, 100));
+  if (present(j, "seed")) s.seed = uint64_t(get_int(j, "seed", std::numeric_limits<int64_t>::min() / 2, std::numeric_limits<int64_t>::max() / 2));
+  if (present(j, "ignore_eos")) r.ignore_eos = get_bool(j, "ignore_eos");
+  if (present(j, "stop")) {
+    const json& st = j["stop"];
+    if (st.is_string()) {
+      r.stop.push_back(st.get<std::string>());
+    } else if (st.is_array()) {
+      if (st.size() > 4) throw bad("stop", "at most 4 stop sequences");
+      for (const json& x : st) {
+        if (!x.is_string()) throw bad("stop", "expected strings");
+        r.stop.push_back(x.get<std::string>());
+      }
+    } else {
+      throw bad("stop", std::string("expected a string or an array of strings, got ") + type_name(st));
+    }
+    for (const std::string& x : r.stop)
+      if (x.empty()) throw bad("stop", "a stop sequence must not be empty");
+  }
+  return r;
+}
+
+namespace {
+
+json usage_json(const Usage& u) {
+  return {{"prompt_tokens", u.prompt_tokens},
+          {"completion_tokens", u.completion_tokens},
+          {"total_tokens", u.prompt_tokens + u.completion_tokens}};
+}
+
+json logprobs_json(Endpoint endpoint, const std::vector<TokenInfo>& tokens) {
+  if (endpoint == Endpoint::Chat) {
+    json content = json::array();
+    for (const TokenInfo& t : tokens) {
+      json top = json::array();
+      for (const auto& [text, lp] : t.top) top.push_back({{"token", text}, {"logprob", lp}});
+      content.push_back({{"token", t.text}, {"logprob", t.logprob}, {"top_logprobs", top}});
+    }
+    return {{"content", content}};
+  }
+  json toks = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
+  size_t offset = 0;
+  for (const TokenInfo& t : tokens) {
+    toks.push_back(t.text);
+    lps.push_back(t.logprob);
+    json top = json::object();
+    for (const auto& [text, lp] : t.top) top[text] = lp;
+    tops.push_back(top);
+    offsets.push_back(offset);
+    offset += t.text.size();
+  }
+  return {{"tokens", toks}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
+}
+
+json envelope(Endpoint endpoint, const Completion& c, bool chunk) {
+  const char* object = endpoint == Endpoint::Chat ? (chunk ? "chat.completion.chunk" : "chat.completion") : "text_completion";
+  return {{"id", c.id}, {"object", object}, {"created", c.created}, {"model", c.model}};
+}
+
+}  // namespace
+
+json response_json(Endpoint endpoint, const Completion& c, bool logprobs) {
+  json r = envelope(endpoint, c, false);
+  json choice = {{"index", 0}};
+  if (endpoint == Endpoint::Chat) choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+  else choice["text"] = c.text;
+  choice["logprobs"] = logprobs ? logprobs_json(endpoint, c.tokens) : json(nullptr);
+  choice["finish_reason"] = c.finish_reason;
+  r["choices"] = json::array({choice});
+  r["usage"] = usage_json(c.usage);
+  return r;
+}
+
+json chunk_json(Endpoint endpoint, const Completion& c, const std::string& delta, const std::vector<TokenInfo>& tokens,
+                bool logprobs, const std::string& finish_reason, bool first) {
+  json r = envelope(endpoint, c, true);
+  json choice = {{"index", 0}};
+  if (endpoint == Endpoint::Chat) {
+    json d = json::object();
+    if (first) d["role"] = "assistant";
+    if (!delta.empty() || (first && finish_reason.empty())) d["content"] = delta;
+    choice["delta"] = d;
+  } else {
+    choice["text"] = delta;
+  }
+  choice["logprobs"] = logprobs && !tokens.empty() ? logprobs_json(endpoint, tokens) : json(nullptr);
+  choice["finish_reason"] = finish_reason.empty() ? json(nullptr) : json(finish_reason);
+  r["choices"] = json::array({choice});
+  return r;
+}
+
+json usage_chunk_json(Endpoint endpoint, const Completion& c) {
+  json r = envelope(endpoint, c, true);
+  r["choices"] = json::array();
+  r["usage"] = usage_json(c.usage);
+  return r;
+}
+
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+std::string sse(const json& j) { return "data: " + dump(j) + "\n\n"; }
+
+}  // namespace kestrel::server

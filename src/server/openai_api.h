@@ -1,0 +1,84 @@
+// The OpenAI-compatible request and response formats: parsing and validating the JSON bodies of
+// /v1/completions and /v1/chat/completions (every problem becomes an ApiError naming the field),
+// and building responses, streamed chunks (server-sent events) and error bodies. Pure functions,
+// no I/O, so that they are unit-tested and fuzzed on their own.
+#pragma once
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "runtime/sampler.h"
+
+namespace kestrel::server {
+
+using json = nlohmann::ordered_json;
+
+// An error for the client: HTTP status, OpenAI error type, the offending parameter (may be empty).
+class ApiError : public std::runtime_error {
+ public:
+  ApiError(int status, std::string message, std::string param = "", std::string type = "");
+  int status;
+  std::string param, type;
+};
+
+// {"error": {"message", "type", "param", "code"}}
+std::string error_body(const ApiError& e);
+
+enum class Endpoint { Completions, Chat };
+
+struct ApiRequest {
+  Endpoint endpoint = Endpoint::Completions;
+  std::string model;
+  std::string prompt;                     // completions: the text
+  std::vector<int32_t> prompt_tokens;     // completions: token ids instead of text
+  json messages = json::array();          // chat: [{role, content (a string)}]
+  std::optional<int> max_tokens;          // absent: 16 for completions, the rest of the context for chat
+  bool stream = false, include_usage = false;
+  SamplerOptions sampling;
+  std::vector<std::string> stop;
+  int top_logprobs = -1;                  // -1: no log-probabilities
+  bool ignore_eos = false;
+};
+
+// Parses a request body. Throws ApiError (400) on invalid JSON, wrong types, missing fields,
+// values out of range and options kestrel does not support (n > 1, best_of, suffix, tools).
+ApiRequest parse_request(Endpoint endpoint, const std::string& body);
+
+// One generated token's log-probability and its best alternatives, as text.
+struct TokenInfo {
+  std::string text;
+  float logprob = 0;
+  std::vector<std::pair<std::string, float>> top;
+};
+
+struct Usage {
+  int64_t prompt_tokens = 0, completion_tokens = 0;
+};
+
+// The pieces of one response; `finish_reason` "stop" or "length".
+struct Completion {
+  std::string id, model;
+  int64_t created = 0;
+  std::string text;
+  std::vector<TokenInfo> tokens;  // with log-probabilities requested
+  std::string finish_reason;
+  Usage usage;
+};
+
+json response_json(Endpoint endpoint, const Completion& c, bool logprobs);
+
+// A streamed chunk: text (and tokens) generated since the last chunk; finish_reason empty until
+// the last one. `first` marks the chat chunk that carries the assistant role.
+json chunk_json(Endpoint endpoint, const Completion& c, const std::string& delta, const std::vector<TokenInfo>& tokens,
+                bool logprobs, const std::string& finish_reason, bool first);
+// The final usage-only chunk (stream_options.include_usage).
+json usage_chunk_json(Endpoint endpoint, const Completion& c);
+
+// "data: <json>\n\n" with invalid UTF-8 replaced.
+std::string sse(const json& j);
+std::string dump(const json& j);
+
+}  // namespace kestrel::server
