@@ -3,7 +3,8 @@
 set -euo pipefail
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-PKGS=(cmake ninja-build g++ pkg-config libgtest-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libicu-dev clang libclang-rt-14-dev)
+PKGS=(cmake ninja-build g++ pkg-config libgtest-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libicu-dev clang libclang-rt-14-dev
+      libcpp-httplib-dev python3-venv)
 missing=()
 for p in "${PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -11,3 +12,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
+# The openai client for the server tests, in .venv (Debian's Python is externally managed).
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python3 ] || python3 -m venv .venv
+.venv/bin/python3 -c "import openai" 2>/dev/null || .venv/bin/pip install -q "openai>=1.0"

@@ -37,6 +37,7 @@ struct Engine::Sequence {
   size_t prefilled = 0;          // prompt tokens already run
   int generated = 0;
   int64_t reserved = 0;          // KV positions held
+  bool admitted = false;         // counted in kv_used_
   bool done = false;             // the end event was sent
 };
 
@@ -114,7 +115,14 @@ void Engine::shutdown(double grace_s) {
   if (thread_.joinable()) thread_.join();
 }
 
-void Engine::finish(Sequence& s, Finish f, const std::string& error) {
+void Engine::finish(Sequence& s, Finish f, const std::string& error, bool locked) {
+  // The positions are free before the client sees the end.
+  if (s.admitted) {
+    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+    if (!locked) lock.lock();
+    kv_used_ -= s.reserved;
+    s.admitted = false;
+  }
   TokenEvent e;
   e.finish = f;
   e.error = error;
@@ -180,11 +188,11 @@ void Engine::loop() {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return stop_ || !running_.empty() || !waiting_.empty(); });
       if (stop_) {
-        for (auto& s : running_) finish(*s, Finish::Cancelled, "the server shut down");
-        for (auto& s : waiting_) finish(*s, Finish::Cancelled, "the server shut down");
+        for (auto& s : running_)
+          if (!s->done) finish(*s, Finish::Cancelled, "the server shut down", true);
+        for (auto& s : waiting_) finish(*s, Finish::Cancelled, "the server shut down", true);
         running_.clear();
         waiting_.clear();
-        kv_used_ = 0;
         return;
       }
       // Admission in arrival order: the first request that does not fit waits, and so do those
@@ -194,10 +202,12 @@ void Engine::loop() {
         running_.push_back(std::move(waiting_.front()));
         waiting_.pop_front();
         kv_used_ += running_.back()->reserved;
+        running_.back()->admitted = true;
       }
     }
     for (auto& sp : running_) {
       Sequence& s = *sp;
+      if (s.done) continue;
       if (s.stream->cancelled()) {
         finish(s, Finish::Cancelled);
         continue;
@@ -222,7 +232,6 @@ void Engine::loop() {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = running_.begin(); it != running_.end();) {
       if ((*it)->done) {
-        kv_used_ -= (*it)->reserved;
         it = running_.erase(it);
       } else {
         ++it;

@@ -102,7 +102,8 @@ class Engine {
   struct Sequence;
   void loop();
   void step(Sequence& s);
-  void finish(Sequence& s, Finish f, const std::string& error = "");
+  // Sends the end event and frees the sequence's KV positions (`locked`: mu_ is held).
+  void finish(Sequence& s, Finish f, const std::string& error = "", bool locked = false);
 
   const Model& model_;
   EngineOptions o_;

@@ -1,0 +1,27 @@
+// OpenAI request bodies from arbitrary bytes: an ApiRequest (whose response can be built) or an
+// ApiError with a 4xx status, never a crash or another exception.
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "server/openai_api.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string body(reinterpret_cast<const char*>(data), size);
+  using namespace kestrel::server;
+  for (Endpoint e : {Endpoint::Completions, Endpoint::Chat}) {
+    try {
+      const ApiRequest r = parse_request(e, body);
+      Completion c;
+      c.model = r.model;
+      c.text = r.prompt;
+      (void)dump(response_json(e, c, r.top_logprobs >= 0));
+      (void)sse(chunk_json(e, c, r.prompt, {}, false, "", true));
+    } catch (const ApiError& err) {
+      if (err.status < 400 || err.status >= 500) std::abort();
+      (void)error_body(err);
+    }
+  }
+  return 0;
+}

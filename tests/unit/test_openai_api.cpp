@@ -1,0 +1,141 @@
+// The OpenAI request parser and response builders: valid requests map onto the engine's
+// settings, every invalid one is a 400 naming its field, responses have the documented shape.
+#include <gtest/gtest.h>
+
+#include "server/openai_api.h"
+
+namespace kestrel::server {
+namespace {
+
+ApiRequest chat(const std::string& body) { return parse_request(Endpoint::Chat, body); }
+ApiRequest completion(const std::string& body) { return parse_request(Endpoint::Completions, body); }
+
+// The parameter an invalid body is blamed on ("" when the whole body is wrong).
+std::string blamed(Endpoint e, const std::string& body) {
+  try {
+    parse_request(e, body);
+  } catch (const ApiError& err) {
+    EXPECT_EQ(err.status, 400) << body;
+    return err.param;
+  }
+  ADD_FAILURE() << "accepted: " << body;
+  return "<accepted>";
+}
+
+TEST(OpenAiApi, ParsesCompletions) {
+  const ApiRequest r = completion(R"({"model":"m","prompt":"hi","max_tokens":7,"temperature":0,"top_p":0.9,
+      "top_k":40,"seed":3,"stop":["\n","END"],"stream":true,"stream_options":{"include_usage":true},"logprobs":2,
+      "presence_penalty":0.5,"frequency_penalty":-0.5})");
+  EXPECT_EQ(r.model, "m");
+  EXPECT_EQ(r.prompt, "hi");
+  EXPECT_EQ(*r.max_tokens, 7);
+  EXPECT_EQ(r.sampling.temperature, 0.0f);
+  EXPECT_FLOAT_EQ(r.sampling.top_p, 0.9f);
+  EXPECT_EQ(r.sampling.top_k, 40);
+  EXPECT_EQ(r.sampling.seed, 3u);
+  EXPECT_EQ(r.stop, (std::vector<std::string>{"\n", "END"}));
+  EXPECT_TRUE(r.stream && r.include_usage);
+  EXPECT_EQ(r.top_logprobs, 2);
+  EXPECT_FLOAT_EQ(r.sampling.presence_penalty, 0.5f);
+  EXPECT_FLOAT_EQ(r.sampling.frequency_penalty, -0.5f);
+  EXPECT_EQ(completion(R"({"model":"m","prompt":[1,2,3]})").prompt_tokens, (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(completion(R"({"model":"m","prompt":[[4,5]]})").prompt_tokens, (std::vector<int32_t>{4, 5}));
+  EXPECT_EQ(completion(R"({"model":"m","prompt":["x"]})").prompt, "x");
+  const ApiRequest d = completion(R"({"model":"m","prompt":"x"})");
+  EXPECT_FALSE(d.max_tokens.has_value());
+  EXPECT_EQ(d.sampling.temperature, 1.0f);  // the API's default
+  EXPECT_EQ(d.top_logprobs, -1);
+}
+
+TEST(OpenAiApi, ParsesChat) {
+  const ApiRequest r = chat(R"({"model":"m","messages":[{"role":"developer","content":"be brief"},
+      {"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},
+      {"role":"assistant","content":null}],"max_completion_tokens":5,"max_tokens":9,"logprobs":true,"top_logprobs":3})");
+  ASSERT_EQ(r.messages.size(), 3u);
+  EXPECT_EQ(r.messages[0]["role"], "system");
+  EXPECT_EQ(r.messages[1]["content"], "ab");
+  EXPECT_EQ(r.messages[2]["content"], "");
+  EXPECT_EQ(*r.max_tokens, 5);  // max_completion_tokens wins
+  EXPECT_EQ(r.top_logprobs, 3);
+  EXPECT_EQ(chat(R"({"model":"m","messages":[{"role":"user","content":"x"}],"logprobs":true})").top_logprobs, 0);
+}
+
+TEST(OpenAiApi, RejectsInvalidRequests) {
+  const Endpoint C = Endpoint::Completions, H = Endpoint::Chat;
+  EXPECT_EQ(blamed(C, "{bad"), "");
+  EXPECT_EQ(blamed(C, "[1,2]"), "");
+  EXPECT_EQ(blamed(C, R"({"prompt":"x"})"), "model");
+  EXPECT_EQ(blamed(C, R"({"model":3,"prompt":"x"})"), "model");
+  EXPECT_EQ(blamed(C, R"({"model":"m"})"), "prompt");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":{}})"), "prompt");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":["a","b"]})"), "prompt");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":[1,-2]})"), "prompt");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":[]})"), "prompt");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","max_tokens":-1})"), "max_tokens");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","max_tokens":"5"})"), "max_tokens");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","max_tokens":1e300})"), "max_tokens");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","max_tokens":2.5})"), "max_tokens");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","temperature":3})"), "temperature");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","temperature":"hot"})"), "temperature");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","top_p":0})"), "top_p");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","n":2})"), "n");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","stream":"yes"})"), "stream");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","stream_options":{"include_usage":true}})"), "stream_options");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","stop":["a","b","c","d","e"]})"), "stop");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","stop":[1]})"), "stop");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","stop":""})"), "stop");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","logprobs":21})"), "logprobs");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","suffix":"y"})"), "suffix");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","echo":true})"), "echo");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","presence_penalty":5})"), "presence_penalty");
+  EXPECT_EQ(blamed(H, R"({"model":"m"})"), "messages");
+  EXPECT_EQ(blamed(H, R"({"model":"m","messages":[]})"), "messages");
+  EXPECT_EQ(blamed(H, R"({"model":"m","messages":["hi"]})"), "messages[0]");
+  EXPECT_EQ(blamed(H, R"({"model":"m","messages":[{"content":"hi"}]})"), "messages[0].role");
+  EXPECT_EQ(blamed(H, R"({"model":"m","messages":[{"role":"robot","content":"hi"}]})"), "messages[0].role");
+  EXPECT_EQ(blamed(H, R"({"model":"m","messages":[{"role":"user","content":5}]})"), "messages[0].content");
+  EXPECT_EQ(blamed(H, R"({"model":"m","messages":[{"role":"user","content":[{"type":"image_url"}]}]})"),
+            "messages[0].content");
+  EXPECT_EQ(blamed(H, R"({"model":"m","messages":[{"role":"user","content":"x"}],"top_logprobs":2})"), "top_logprobs");
+  EXPECT_EQ(blamed(H, R"({"model":"m","messages":[{"role":"user","content":"x"}],"tools":[]})"), "tools");
+}
+
+TEST(OpenAiApi, BuildsResponsesAndChunks) {
+  Completion c;
+  c.id = "chatcmpl-1";
+  c.model = "m";
+  c.created = 5;
+  c.text = "hello";
+  c.finish_reason = "stop";
+  c.usage = {3, 2};
+  c.tokens = {{"hel", -0.5f, {{"hel", -0.5f}, {"he", -1.5f}}}, {"lo", -0.25f, {}}};
+  const json r = response_json(Endpoint::Chat, c, true);
+  EXPECT_EQ(r["object"], "chat.completion");
+  EXPECT_EQ(r["choices"][0]["message"]["content"], "hello");
+  EXPECT_EQ(r["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(r["usage"]["total_tokens"], 5);
+  EXPECT_EQ(r["choices"][0]["logprobs"]["content"][0]["top_logprobs"][1]["token"], "he");
+  const json t = response_json(Endpoint::Completions, c, true);
+  EXPECT_EQ(t["object"], "text_completion");
+  EXPECT_EQ(t["choices"][0]["text"], "hello");
+  EXPECT_EQ(t["choices"][0]["logprobs"]["text_offset"][1], 3);
+  const json first = chunk_json(Endpoint::Chat, c, "he", {}, false, "", true);
+  EXPECT_EQ(first["object"], "chat.completion.chunk");
+  EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_EQ(first["choices"][0]["delta"]["content"], "he");
+  EXPECT_TRUE(first["choices"][0]["finish_reason"].is_null());
+  const json last = chunk_json(Endpoint::Chat, c, "", {}, false, "length", false);
+  EXPECT_TRUE(last["choices"][0]["delta"].empty());
+  EXPECT_EQ(last["choices"][0]["finish_reason"], "length");
+  const json u = usage_chunk_json(Endpoint::Chat, c);
+  EXPECT_TRUE(u["choices"].empty());
+  EXPECT_EQ(u["usage"]["prompt_tokens"], 3);
+  EXPECT_EQ(sse(json{{"a", std::string("\xff")}}), "data: {\"a\":\"\xef\xbf\xbd\"}\n\n");  // invalid UTF-8 replaced
+  const json err = json::parse(error_body(ApiError(404, "no such model", "model")));
+  EXPECT_EQ(err["error"]["type"], "not_found_error");
+  EXPECT_EQ(err["error"]["param"], "model");
+  EXPECT_EQ(err["error"]["code"], "model_not_found");
+}
+
+}  // namespace
+}  // namespace kestrel::server
