@@ -76,7 +76,7 @@ std::shared_ptr<RequestStream> Engine::submit(GenerationRequest r) {
   auto stream = s->stream;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!accepting_) fail("the server is shutting down");
+    if (!accepting_) throw EngineStopped();
     waiting_.push_back(std::move(s));
   }
   cv_.notify_all();

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/error.h"
 #include "common/thread_pool.h"
 #include "model/weights.h"
 #include "runtime/sampler.h"
@@ -72,6 +73,12 @@ class RequestStream {
   std::deque<TokenEvent> events_;
   bool ended_ = false;
   std::atomic<bool> cancelled_{false};
+};
+
+// submit() on an engine that is shutting down (a server answers 503, not 400).
+class EngineStopped : public Error {
+ public:
+  EngineStopped() : Error("the server is shutting down") {}
 };
 
 struct EngineStats {

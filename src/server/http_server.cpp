@@ -172,8 +172,10 @@ void HttpServer::routes() {
         g = std::make_shared<Generation>(std::move(r), tok_, metrics_);
         try {
           g->stream = engine_.submit(std::move(gr));
+        } catch (const EngineStopped& e) {
+          throw ApiError(503, e.what());
         } catch (const Error& e) {
-          throw ApiError(400, e.what(), "max_tokens");
+          throw ApiError(400, e.what(), std::string(e.what()).find("token id") == 0 ? "prompt" : "max_tokens");
         }
         g->c.id = new_id(endpoint);
         g->c.model = o_.model_name;

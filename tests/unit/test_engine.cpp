@@ -138,7 +138,7 @@ TEST_F(EngineTest, ShutdownEndsEveryStream) {
   for (int i = 0; i < 4; ++i) s.push_back(e->submit(request({1, 2, int32_t(3 + i)}, 200)));
   e->shutdown(0.0);
   for (auto& x : s) EXPECT_EQ(drain(*x).finish, Finish::Cancelled);
-  EXPECT_THROW(e->submit(request({1}, 1)), Error);
+  EXPECT_THROW(e->submit(request({1}, 1)), EngineStopped);
 }
 
 }  // namespace
