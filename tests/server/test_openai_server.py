@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """`kestrel serve` against the official `openai` client: completions and chat, streaming and not,
 stop sequences, usage, log-probabilities, errors, 32 concurrent streams that must each get what
-they get alone, a client that disconnects mid-stream, memory that returns to its level, SIGTERM.
+they get alone, a client that disconnects mid-stream, memory that returns to its level, a load
+test of 200 requests from 16 clients (load_test.py), SIGTERM.
 
 Usage: test_openai_server.py KESTREL_BINARY MODEL_PATH. Exits 77 (skipped) when the model or the
 `openai` package is absent."""
@@ -172,6 +173,12 @@ try:
     check(client.completions.create(model=NAME, prompt="Hi", max_tokens=2, temperature=0).usage.completion_tokens == 2,
           "the server serves after the disconnect")
     check((metric("kestrel_generation_tokens_total") or 0) > 300, "metrics count generated tokens")
+
+    # A bounded load test: 200 requests from 16 concurrent clients, no errors.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import load_test
+    result = load_test.run(f"http://127.0.0.1:{port}", NAME, requests=200, concurrency=16, max_tokens=4, api_key=KEY)
+    check(result["errors"] == 0 and result["requests"] == 200, "load test: 200 requests, 16 concurrent, no errors")
 finally:
     proc.send_signal(signal.SIGTERM)
     try:
