@@ -13,6 +13,10 @@ namespace {
 
 constexpr double kVsCpu = 1e-4;        // GPU decode vs CPU decode, per position
 constexpr double kVsReference = 1e-3;  // GPU decode vs transformers, per position
+// A sequence in a batch vs alone: NVFP4 matrices take the tensor-core path from 2 tokens and the
+// CUDA-core path for 1, so results differ by rounding (both are checked against the CPU at 1e-5
+// per op); everything else is the same code.
+constexpr double kBatchVsSingle = 1e-5;
 
 class CudaModelTest : public ::testing::TestWithParam<std::string> {};
 
@@ -90,7 +94,7 @@ TEST_P(CudaModelTest, SessionMatchesCpu) {
   EXPECT_THROW(session.run({ref.tokens.data(), 1}, last.data(), false), Error);
 }
 
-// Three sequences decoding side by side give what each gives alone; the graph replay gives what
+// Three sequences decoding side by side give what each gives alone (to rounding); the graph replay gives what
 // the plain launches give; and a graph that advances by itself generates the CPU's greedy text.
 TEST_P(CudaModelTest, BatchAndGraphAgree) {
   const std::string dir = test::fixture_dir(GetParam());
@@ -105,6 +109,7 @@ TEST_P(CudaModelTest, BatchAndGraphAgree) {
       {ref.tokens[0], ref.tokens[1], ref.tokens[2], ref.tokens[3], ref.tokens[4], ref.tokens[5]},
       {ref.tokens[5], ref.tokens[4], ref.tokens[3], ref.tokens[2], ref.tokens[1], ref.tokens[0]},
       {ref.tokens[9], ref.tokens[9], ref.tokens[8], ref.tokens[7], ref.tokens[6], ref.tokens[5]}};
+  double worst = 0;
   for (int t = 0; t < steps; ++t) {
     set_inputs(batched, {seqs[0][size_t(t)], seqs[1][size_t(t)], seqs[2][size_t(t)]}, {t, t, t});
     batched.step_graph(3, false, stream.s);
@@ -117,9 +122,12 @@ TEST_P(CudaModelTest, BatchAndGraphAgree) {
         single.step(1, nullptr);
       }
       const auto one = logits_of(single, 1, V);
-      EXPECT_LE(test::rel_l2(all.data() + b * V, one.data(), V), 1e-6) << "sequence " << b << " step " << t;
+      const double e = test::rel_l2(all.data() + b * V, one.data(), V);
+      EXPECT_LE(e, kBatchVsSingle) << "sequence " << b << " step " << t;
+      worst = std::max(worst, e);
     }
   }
+  std::printf("  batch of 3 vs alone: worst rel L2 %.2e\n", worst);
 
   // Greedy generation by graph replays alone.
   cuda::Decoder gen(*dm, 1, 16);

@@ -115,6 +115,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(LinearCase{WeightFormat::NVFP4, 64, 16, 1}, LinearCase{WeightFormat::NVFP4, 300, 2048, 1},
                       LinearCase{WeightFormat::NVFP4, 129, 784, 3}, LinearCase{WeightFormat::NVFP4, 512, 1536, 8},
                       LinearCase{WeightFormat::NVFP4, 77, 4096, 11}, LinearCase{WeightFormat::BF16, 300, 2048, 1},
+                      // Tensor-core path (2..8 tokens, K % 64 == 0), tiles of 16 rows cut by the matrix end.
+                      LinearCase{WeightFormat::NVFP4, 200, 2048, 4}, LinearCase{WeightFormat::NVFP4, 45, 192, 7},
+                      LinearCase{WeightFormat::NVFP4, 16, 64, 2}, LinearCase{WeightFormat::NVFP4, 1000, 4096, 8},
                       LinearCase{WeightFormat::BF16, 129, 776, 5}, LinearCase{WeightFormat::BF16, 33, 20, 2},
                       LinearCase{WeightFormat::F32, 65, 96, 4},
                       // Tall enough for the several-rows-per-group path (short ones take one row).

@@ -1,7 +1,11 @@
+#include <algorithm>
+#include <cstdlib>
+
 #include "backend/cuda/check.h"
 #include "backend/cuda/dequant.cuh"
 #include "backend/cuda/gemv.h"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/mma_nvfp4.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -54,6 +58,52 @@ __global__ void __launch_bounds__(kWarps * 32) linear_kernel(Jobs jobs, const fl
   }
 }
 
+// 2..8 tokens, every job NVFP4 with K % 64 == 0: tensor cores (mma_nvfp4.cuh). A block holds
+// kWarps / ks tiles of 16 rows; the ks warps of a tile take its chunks in turn and their
+// accumulators are added in warp order.
+template <int B>
+__global__ void __launch_bounds__(kWarps * 32) mma_linear_kernel(Jobs jobs, const float* __restrict__ x, int accumulate) {
+  __shared__ float red[kWarps][32][4];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int blk = blockIdx.x, jb = 0;
+  while (blk >= jobs.blocks[jb]) blk -= jobs.blocks[jb++];
+  const DLinear& W = jobs.j[jb].w;
+  const int ks = jobs.ks[jb], tiles = kWarps / ks;
+  const int r0 = (blk * tiles + warp / ks) * 16, wk = warp % ks;
+  prefetch_rows_l2(W, blk * tiles * 16, tiles * 16);
+  pdl_enter();
+  const int g = lane >> 2, j = lane & 3;
+  const int ra = min(r0 + g, W.out - 1), rb = min(r0 + g + 8, W.out - 1);
+  const float* xg = g < B ? x + size_t(g) * W.in : nullptr;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (r0 < W.out) {
+    #pragma unroll 2
+    for (int c = wk; c < W.in / 64; c += ks) nvfp4_mma_chunk(W, ra, rb, xg, c, j, acc);
+  }
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) red[warp][lane][i] = acc[i];
+  __syncthreads();
+  if (wk != 0 || r0 >= W.out) return;
+  for (int w = warp + 1; w < warp + ks; ++w)
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] += red[w][lane][i];
+  float* y = jobs.j[jb].y;
+  const float k = kMmaUnscale * W.scale2;
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = r0 + g + 8 * h;
+    if (row >= W.out) continue;
+    const float bias = W.bias ? W.bias[row] : 0.0f;
+    #pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int b = 2 * j + q;
+      if (b >= B) continue;
+      float* p = y + size_t(b) * W.out + row;
+      *p = (accumulate ? *p : 0.0f) + acc[2 * h + q] * k + bias;
+    }
+  }
+}
+
 template <int B>
 __global__ void __launch_bounds__(kWarps * 32) gated_kernel(DLinear gate, DLinear up, int ks, const float* __restrict__ x,
                                                             float* __restrict__ out) {
@@ -87,6 +137,15 @@ __global__ void __launch_bounds__(kWarps * 32) gated_kernel(DLinear gate, DLinea
   }
 }
 
+// Batches from this size take the tensor-core path for NVFP4 (KESTREL_MMA_MIN_BATCH, for A/B runs).
+int mma_min_batch() {
+  static const int v = [] {
+    const char* e = std::getenv("KESTREL_MMA_MIN_BATCH");
+    return e ? std::max(1, std::atoi(e)) : 2;
+  }();
+  return v;
+}
+
 template <typename F>
 void by_batch(int batch, F&& f) {
   switch (batch) {
@@ -109,9 +168,25 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
   for (int b0 = 0; b0 < batch; b0 += 8) {
     const int nb = std::min(8, batch - b0);
     const float* xb = x + size_t(b0) * jobs[0].w.in;
+    bool mma = nb >= mma_min_batch();
+    for (int i = 0; i < njobs; ++i) mma &= jobs[i].w.format == DFormat::NVFP4 && jobs[i].w.in % 64 == 0;
     by_batch(nb, [&](auto B) {
       constexpr int R = rows_per_warp<B()>();
       Jobs J{};
+      if (mma) {
+        J.n = njobs;
+        for (int i = 0; i < njobs; ++i) {
+          J.j[i] = jobs[i];
+          J.j[i].y = jobs[i].y + size_t(b0) * jobs[i].w.out;
+          J.ks[i] = mma_warps_per_tile(jobs[i].w.in);
+          const int rows_per_block = (kWarps / J.ks[i]) * 16;
+          J.blocks[i] = (jobs[i].w.out + rows_per_block - 1) / rows_per_block;
+          J.blocks_total += J.blocks[i];
+        }
+        launch(mma_linear_kernel<B()>, dim3(unsigned(J.blocks_total)), dim3(kWarps * 32), 0, s, J, xb,
+               accumulate ? 1 : 0);
+        return;
+      }
       J.n = njobs;
       for (int i = 0; i < njobs; ++i) {
         J.j[i] = jobs[i];

@@ -1,0 +1,93 @@
+// NVFP4 weights times 2..8 activation rows on tensor cores: mma.sync m16n8k16 with FP16 inputs
+// and FP32 accumulation. A warp holds a 16-row tile; lane (g, j) = (lane / 4, lane % 4) reads,
+// per 64-weight chunk, the 16-weight block j of rows g and g + 8 (8 bytes of codes and one scale
+// each) and the same 16 activations of token g. The four k-steps of a chunk pair the codes
+// (t, t + 4) and (8 + t, 12 + t) of that block as the fragment's k (2j, 2j + 1) and (2j + 8,
+// 2j + 9); the activations are paired the same way, and since a dot product does not depend on
+// the order of k, the permutation needs no repacking of the checkpoint layout.
+//
+// Exactness: a code x 2^-14 (from the bits, see e2m1x8_scaled) times its E4M3 block scale x 2^7
+// is exact in FP16 (at most 5 significant bits, between 2^-17 and 21). Activations are scaled by
+// 2^-4 and split into FP16 hi + lo parts (two MMAs), which keeps float32-level accuracy for
+// |x| < 1e6. The result is acc x 2^11 x scale_2.
+#pragma once
+#include <cuda_fp16.h>
+
+#include "backend/cuda/dequant.cuh"
+
+namespace kestrel::cuda {
+
+constexpr float kMmaXScale = 0.0625f;    // 2^-4 on the activations
+constexpr float kMmaUnscale = 2048.0f;   // 2^7 * 2^4
+
+// Codes t and t + 4 of a word (its nibbles) as a half2 of code x 2^-14.
+__device__ __forceinline__ uint32_t e2m1_pair(uint32_t word, int t) {
+  const uint32_t v = word >> (4 * t);
+  return ((v & 0x00070007u) << 9) | ((v & 0x00080008u) << 12);
+}
+
+__device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+__device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
+
+// An E4M3 block scale x 2^7 in both halves.
+__device__ __forceinline__ uint32_t scale_h2(uint8_t s) {
+  const __half h = __float2half_rn(e4m3_to_float(s) * 128.0f);
+  return h2_bits(__halves2half2(h, h));
+}
+
+// (a, b) * 2^-4 as FP16 hi and lo halves: hi + lo == (a, b) * 2^-4 to about 2^-22 relative.
+__device__ __forceinline__ void split_h2(float a, float b, uint32_t& hi, uint32_t& lo) {
+  a *= kMmaXScale, b *= kMmaXScale;
+  const __half2 h = __floats2half2_rn(a, b);
+  const float2 back = __half22float2(h);
+  hi = h2_bits(h);
+  lo = h2_bits(__floats2half2_rn(a - back.x, b - back.y));
+}
+
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Adds chunk c (weights [64c, 64c + 64)) of the tile's rows ra = r0 + g and rb = r0 + g + 8
+// times token g's activations (xg: row g of x, or null for lanes past the batch) to acc:
+// acc[0..1] rows ra, tokens 2j and 2j + 1; acc[2..3] the same for rb.
+__device__ __forceinline__ void nvfp4_mma_chunk(const DLinear& W, int ra, int rb, const float* __restrict__ xg, int c,
+                                                int j, float (&acc)[4]) {
+  const int K = W.in;
+  const uint2 qa = __ldg(reinterpret_cast<const uint2*>(W.data + size_t(ra) * (K / 2)) + 4 * c + j);
+  const uint2 qb = __ldg(reinterpret_cast<const uint2*>(W.data + size_t(rb) * (K / 2)) + 4 * c + j);
+  const uint8_t sa = __ldg(W.scales + size_t(ra) * (K / 16) + 4 * c + j);
+  const uint8_t sb = __ldg(W.scales + size_t(rb) * (K / 16) + 4 * c + j);
+  float f[16];
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float4 v = xg ? *reinterpret_cast<const float4*>(xg + 64 * c + 16 * j + 4 * i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    f[4 * i] = v.x, f[4 * i + 1] = v.y, f[4 * i + 2] = v.z, f[4 * i + 3] = v.w;
+  }
+  const __half2 ha = bits_h2(scale_h2(sa)), hb = bits_h2(scale_h2(sb));
+  #pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const uint32_t a[4] = {h2_bits(__hmul2(bits_h2(e2m1_pair(qa.x, t)), ha)),
+                           h2_bits(__hmul2(bits_h2(e2m1_pair(qb.x, t)), hb)),
+                           h2_bits(__hmul2(bits_h2(e2m1_pair(qa.y, t)), ha)),
+                           h2_bits(__hmul2(bits_h2(e2m1_pair(qb.y, t)), hb))};
+    uint32_t hi0, lo0, hi1, lo1;
+    split_h2(f[t], f[t + 4], hi0, lo0);
+    split_h2(f[8 + t], f[12 + t], hi1, lo1);
+    mma_16816(acc, a, hi0, hi1);
+    mma_16816(acc, a, lo0, lo1);
+  }
+}
+
+// Warps that split one 16-row tile's chunks: at least 4 chunks each, at most 8 warps.
+__host__ __device__ inline int mma_warps_per_tile(int K) {
+  const int chunks = K / 64;
+  int ks = 1;
+  while (ks < 8 && ks * 4 <= chunks) ks *= 2;
+  return ks;
+}
+
+}  // namespace kestrel::cuda
