@@ -118,6 +118,7 @@ INSTANTIATE_TEST_SUITE_P(
                       // Tensor-core path (2..8 tokens, K % 64 == 0), tiles of 16 rows cut by the matrix end.
                       LinearCase{WeightFormat::NVFP4, 200, 2048, 4}, LinearCase{WeightFormat::NVFP4, 45, 192, 7},
                       LinearCase{WeightFormat::NVFP4, 16, 64, 2}, LinearCase{WeightFormat::NVFP4, 1000, 4096, 8},
+                      LinearCase{WeightFormat::BF16, 200, 2048, 4}, LinearCase{WeightFormat::BF16, 45, 192, 8},
                       LinearCase{WeightFormat::BF16, 129, 776, 5}, LinearCase{WeightFormat::BF16, 33, 20, 2},
                       LinearCase{WeightFormat::F32, 65, 96, 4},
                       // Tall enough for the several-rows-per-group path (short ones take one row).

@@ -5,7 +5,7 @@
 #include "backend/cuda/dequant.cuh"
 #include "backend/cuda/gemv.h"
 #include "backend/cuda/launch.cuh"
-#include "backend/cuda/mma_nvfp4.cuh"
+#include "backend/cuda/mma_tiles.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kWarps * 32) linear_kernel(Jobs jobs, const fl
   }
 }
 
-// 2..8 tokens, every job NVFP4 with K % 64 == 0: tensor cores (mma_nvfp4.cuh). A block holds
+// 2..8 tokens, every job NVFP4 or BF16 with K % 64 == 0: tensor cores (mma_tiles.cuh). A block holds
 // kWarps / ks tiles of 16 rows; the ks warps of a tile take its chunks in turn and their
 // accumulators are added in warp order.
 template <int B>
@@ -77,8 +77,13 @@ __global__ void __launch_bounds__(kWarps * 32) mma_linear_kernel(Jobs jobs, cons
   const float* xg = g < B ? x + size_t(g) * W.in : nullptr;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   if (r0 < W.out) {
-    #pragma unroll 2
-    for (int c = wk; c < W.in / 64; c += ks) nvfp4_mma_chunk(W, ra, rb, xg, c, j, acc);
+    if (W.format == DFormat::NVFP4) {
+      #pragma unroll 2
+      for (int c = wk; c < W.in / 64; c += ks) nvfp4_mma_chunk(W, ra, rb, xg, c, j, acc);
+    } else {
+      #pragma unroll 2
+      for (int c = wk; c < W.in / 64; c += ks) bf16_mma_chunk(W, ra, rb, xg, c, j, acc);
+    }
   }
   #pragma unroll
   for (int i = 0; i < 4; ++i) red[warp][lane][i] = acc[i];
@@ -88,7 +93,7 @@ __global__ void __launch_bounds__(kWarps * 32) mma_linear_kernel(Jobs jobs, cons
     #pragma unroll
     for (int i = 0; i < 4; ++i) acc[i] += red[w][lane][i];
   float* y = jobs.j[jb].y;
-  const float k = kMmaUnscale * W.scale2;
+  const float k = W.format == DFormat::NVFP4 ? kMmaUnscale * W.scale2 : kMmaUnscaleDense;
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = r0 + g + 8 * h;
@@ -169,7 +174,8 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
     const int nb = std::min(8, batch - b0);
     const float* xb = x + size_t(b0) * jobs[0].w.in;
     bool mma = nb >= mma_min_batch();
-    for (int i = 0; i < njobs; ++i) mma &= jobs[i].w.format == DFormat::NVFP4 && jobs[i].w.in % 64 == 0;
+    for (int i = 0; i < njobs; ++i)
+      mma &= (jobs[i].w.format == DFormat::NVFP4 || jobs[i].w.format == DFormat::BF16) && jobs[i].w.in % 64 == 0;
     by_batch(nb, [&](auto B) {
       constexpr int R = rows_per_warp<B()>();
       Jobs J{};

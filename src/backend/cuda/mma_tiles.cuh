@@ -1,5 +1,5 @@
-// NVFP4 weights times 2..8 activation rows on tensor cores: mma.sync m16n8k16 with FP16 inputs
-// and FP32 accumulation. A warp holds a 16-row tile; lane (g, j) = (lane / 4, lane % 4) reads,
+// NVFP4 and BF16 weights times 2..8 activation rows on tensor cores: mma.sync m16n8k16 with FP16
+// inputs and FP32 accumulation. A warp holds a 16-row tile; lane (g, j) = (lane / 4, lane % 4) reads,
 // per 64-weight chunk, the 16-weight block j of rows g and g + 8 (8 bytes of codes and one scale
 // each) and the same 16 activations of token g. The four k-steps of a chunk pair the codes
 // (t, t + 4) and (8 + t, 12 + t) of that block as the fragment's k (2j, 2j + 1) and (2j + 8,
@@ -10,6 +10,10 @@
 // is exact in FP16 (at most 5 significant bits, between 2^-17 and 21). Activations are scaled by
 // 2^-4 and split into FP16 hi + lo parts (two MMAs), which keeps float32-level accuracy for
 // |x| < 1e6. The result is acc x 2^11 x scale_2.
+//
+// BF16 rows take the same tiles with adjacent pairs (2t, 2t + 1) and (8 + 2t, 9 + 2t) of each
+// lane's 16 weights: BF16 -> FP16 is exact for |w| in [6e-5, 65504] (smaller weights keep an
+// absolute error below 3e-8). The result is acc x 2^4.
 #pragma once
 #include <cuda_fp16.h>
 
@@ -18,7 +22,8 @@
 namespace kestrel::cuda {
 
 constexpr float kMmaXScale = 0.0625f;    // 2^-4 on the activations
-constexpr float kMmaUnscale = 2048.0f;   // 2^7 * 2^4
+constexpr float kMmaUnscale = 2048.0f;   // NVFP4: 2^7 * 2^4
+constexpr float kMmaUnscaleDense = 16.0f;  // BF16: 2^4
 
 // Codes t and t + 4 of a word (its nibbles) as a half2 of code x 2^-14.
 __device__ __forceinline__ uint32_t e2m1_pair(uint32_t word, int t) {
@@ -77,6 +82,37 @@ __device__ __forceinline__ void nvfp4_mma_chunk(const DLinear& W, int ra, int rb
     uint32_t hi0, lo0, hi1, lo1;
     split_h2(f[t], f[t + 4], hi0, lo0);
     split_h2(f[8 + t], f[12 + t], hi1, lo1);
+    mma_16816(acc, a, hi0, hi1);
+    mma_16816(acc, a, lo0, lo1);
+  }
+}
+
+// The same for BF16 rows: 32 bytes of each row per lane and chunk.
+__device__ __forceinline__ void bf16_mma_chunk(const DLinear& W, int ra, int rb, const float* __restrict__ xg, int c,
+                                               int j, float (&acc)[4]) {
+  const int K = W.in;
+  const uint4* pa = reinterpret_cast<const uint4*>(W.data + (size_t(ra) * K + 64 * c + 16 * j) * 2);
+  const uint4* pb = reinterpret_cast<const uint4*>(W.data + (size_t(rb) * K + 64 * c + 16 * j) * 2);
+  const uint4 wa[2] = {__ldg(pa), __ldg(pa + 1)}, wb[2] = {__ldg(pb), __ldg(pb + 1)};
+  float f[16];
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float4 v = xg ? *reinterpret_cast<const float4*>(xg + 64 * c + 16 * j + 4 * i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    f[4 * i] = v.x, f[4 * i + 1] = v.y, f[4 * i + 2] = v.z, f[4 * i + 3] = v.w;
+  }
+  auto word = [](const uint4 (&w)[2], int i) {  // BF16 weights (2i, 2i + 1) of the 16
+    const uint4& q = w[i / 4];
+    return (i & 3) == 0 ? q.x : (i & 3) == 1 ? q.y : (i & 3) == 2 ? q.z : q.w;
+  };
+  auto to_h2 = [](uint32_t u) {
+    return h2_bits(__float22half2_rn(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u))));
+  };
+  #pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const uint32_t a[4] = {to_h2(word(wa, t)), to_h2(word(wb, t)), to_h2(word(wa, 4 + t)), to_h2(word(wb, 4 + t))};
+    uint32_t hi0, lo0, hi1, lo1;
+    split_h2(f[2 * t], f[2 * t + 1], hi0, lo0);
+    split_h2(f[8 + 2 * t], f[9 + 2 * t], hi1, lo1);
     mma_16816(acc, a, hi0, hi1);
     mma_16816(acc, a, lo0, lo1);
   }
