@@ -92,6 +92,13 @@ TEST_P(CudaModelTest, SessionMatchesCpu) {
   }
   EXPECT_EQ(session.position(), T);
   EXPECT_THROW(session.run({ref.tokens.data(), 1}, last.data(), false), Error);
+
+  // The whole sequence at once: prefill steps of 8 positions sharing one cache.
+  cuda::Session whole(*dm, int(T));
+  std::vector<float> every(static_cast<size_t>(T * V));
+  whole.run(ref.tokens, every.data(), true);
+  for (int64_t t = 0; t < T; ++t)
+    EXPECT_LE(test::rel_l2(every.data() + t * V, want.data() + t * V, V), kVsCpu) << "prefill position " << t;
 }
 
 // Three sequences decoding side by side give what each gives alone (to rounding); the graph replay gives what

@@ -31,8 +31,8 @@ T* Decoder::buffer(size_t n) {
   return static_cast<T*>(p);
 }
 
-Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context)
-    : m_(model), max_batch_(max_batch), max_context_(max_context) {
+Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool one_sequence)
+    : m_(model), max_batch_(max_batch), max_context_(max_context), one_sequence_(one_sequence) {
   const ModelConfig& c = m_.config();
   const size_t B = size_t(max_batch), H = size_t(c.hidden_size), hd = size_t(c.head_dim);
   const size_t nq = size_t(c.num_heads), nkv = size_t(c.num_kv_heads);
@@ -46,7 +46,7 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context)
   att_scratch_ = buffer<float>(attention_scratch_floats(max_batch, int(nq), int(hd), split_));
   act_ = buffer<float>(B * size_t(std::max<int64_t>(c.intermediate_size, 1)));
   logits_ = buffer<float>(B * size_t(c.vocab_size));
-  const size_t kv = B * size_t(c.num_layers) * size_t(max_context) * nkv * hd;
+  const size_t kv = (one_sequence ? 1 : B) * size_t(c.num_layers) * size_t(max_context) * nkv * hd;
   kv_k_ = buffer<float>(kv);
   kv_v_ = buffer<float>(kv);
   tokens_ = buffer<int32_t>(B);
@@ -78,7 +78,7 @@ KvLayer Decoder::kv(int layer) const {
   KvLayer l;
   l.k = kv_k_ + layer * per_layer;
   l.v = kv_v_ + layer * per_layer;
-  l.seq_stride = per_layer * c.num_layers;
+  l.seq_stride = one_sequence_ ? 0 : per_layer * c.num_layers;
   return l;
 }
 

@@ -18,7 +18,11 @@ namespace kestrel::cuda {
 
 class Decoder {
  public:
-  Decoder(const DeviceModel& model, int max_batch, int max_context);
+  // With `one_sequence`, the batch rows are consecutive positions of a single sequence sharing
+  // one KV cache (prefill: a step over positions p .. p + n - 1 is causal attention over the
+  // chunk, since every row's key and value are stored before attention reads them); otherwise
+  // each row is its own sequence with its own cache.
+  Decoder(const DeviceModel& model, int max_batch, int max_context, bool one_sequence = false);
   ~Decoder();
   Decoder(const Decoder&) = delete;
   Decoder& operator=(const Decoder&) = delete;
@@ -50,6 +54,7 @@ class Decoder {
 
   const DeviceModel& m_;
   int max_batch_, max_context_, launches_ = 0;
+  bool one_sequence_;
   std::vector<void*> buffers_;
   float *x_, *xn_, *q_, *k_, *v_, *att_, *act_, *logits_, *kv_k_, *kv_v_, *att_scratch_;
   AttentionSplit split_;

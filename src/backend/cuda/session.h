@@ -1,6 +1,7 @@
-// One sequence on the GPU: tokens go in after those already run, one decode step (one graph
-// replay) per token, and the logits of a token come back to the host on request. Prompts are
-// run token by token through the decode graph; a batched prefill path is future work.
+// One sequence on the GPU: tokens go in after those already run, up to 8 consecutive tokens per
+// step (one graph replay of a decoder whose batch rows share the sequence's KV cache: a prompt
+// is prefilled 8 positions at a time, a generated token is one step), and the logits of a token
+// come back to the host on request.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -24,6 +25,7 @@ class Session {
   int position() const { return pos_; }
 
  private:
+  static constexpr int kChunk = 8;  // positions per step
   Decoder dec_;
   cudaStream_t stream_ = nullptr;
   int pos_ = 0;
