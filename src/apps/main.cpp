@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
 #ifdef KESTREL_HAVE_SERVER
   add("serve", "Serve the model over an OpenAI-compatible HTTP API", kestrel::apps::add_serve);
 #endif
+  add("roofline", "The floor of a decode step for a model, formats, parallel layout and GPU", kestrel::apps::add_roofline);
   add("tokenize", "Encode text to token ids, or decode ids to text, with a tokenizer.json", kestrel::apps::add_tokenize);
 #ifdef KESTREL_HAVE_CUDA
   add("bench", "Time decode steps on the GPU against the memory-bandwidth floor", kestrel::apps::add_bench);

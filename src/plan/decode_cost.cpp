@@ -2,11 +2,9 @@
 
 #include <cmath>
 
-namespace kestrel {
+#include "plan/roofline.h"
 
-double bytes_per_weight(const ModelConfig& c, const std::string& module) {
-  return c.quant.quantizes(module) ? 0.5 + 1.0 / 16.0 : 2.0;
-}
+namespace kestrel {
 
 double expected_distinct_experts(const ModelConfig& c, int batch) {
   if (c.num_experts <= 0) return 0.0;
@@ -21,35 +19,24 @@ std::vector<std::pair<std::string, double>> DecodeCost::parts() const {
 }
 
 DecodeCost decode_cost(const ModelConfig& c, int batch, int64_t context, double kv_bytes) {
+  // The one-GPU roofline (bandwidth and link do not change bytes).
+  const Roofline r = roofline(step_shapes(c), Layout{}, batch, context, kv_bytes, 1.0, gpu_table().front());
   DecodeCost d;
-  const double H = double(c.hidden_size), hd = double(c.head_dim);
-  const double nq = double(c.num_heads), nkv = double(c.num_kv_heads);
-  const double B = double(batch);
-  auto lin = [&](const std::string& m, double out, double in) { return out * in * bytes_per_weight(c, m); };
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    d.attention += lin(p + "self_attn.q_proj", nq * hd, H) + lin(p + "self_attn.k_proj", nkv * hd, H) +
-                   lin(p + "self_attn.v_proj", nkv * hd, H) + lin(p + "self_attn.o_proj", H, nq * hd);
-    if (!c.is_moe_layer(i)) {
-      const double I = double(c.intermediate_size);
-      d.dense_ffn += lin(p + "mlp.gate_proj", I, H) + lin(p + "mlp.up_proj", I, H) + lin(p + "mlp.down_proj", H, I);
-      continue;
+  for (const RooflinePart& p : r.parts) {
+    double* slot = nullptr;
+    switch (p.part) {
+      case Part::Attention: slot = &d.attention; break;
+      case Part::DenseFfn: slot = &d.dense_ffn; break;
+      case Part::RoutedExperts: slot = &d.routed_experts; break;
+      case Part::SharedExperts: slot = &d.shared_experts; break;
+      case Part::Router: slot = &d.router; break;
+      case Part::Embedding: slot = &d.embedding; break;
+      case Part::LmHead: slot = &d.lm_head; break;
     }
-    const double E = double(c.num_experts), I = double(c.moe_intermediate_size);
-    const std::string e0 = p + c.moe_prefix + ".experts.0.";
-    const double expert = lin(e0 + c.expert_gate, I, H) + lin(e0 + c.expert_up, I, H) + lin(e0 + c.expert_down, H, I);
-    d.expected_experts = expected_distinct_experts(c, batch);
-    d.routed_experts += d.expected_experts * expert;
-    d.router += E * H * 2.0;
-    if (c.num_shared_experts > 0) {
-      const double S = I * double(c.num_shared_experts);
-      const std::string sp = p + "mlp.shared_experts.";
-      d.shared_experts += lin(sp + "gate_proj", S, H) + lin(sp + "up_proj", S, H) + lin(sp + "down_proj", H, S);
-    }
+    *slot += p.bytes;
   }
-  d.embedding = B * H * 2.0;
-  d.lm_head = double(c.vocab_size) * H * 2.0;
-  d.kv_cache = B * double(context) * double(c.num_layers) * nkv * hd * 2.0 * kv_bytes;
+  d.kv_cache = r.kv_bytes;
+  d.expected_experts = r.expected_experts;
   return d;
 }
 

@@ -1,5 +1,6 @@
-// The bytes one decode step must move, from the model's shapes and storage formats: the floor
-// that every measured step time is reported against (time >= bytes / bandwidth).
+// The bytes one decode step must move on one GPU, from the model's shapes and storage formats:
+// the floor that every measured step time is reported against (time >= bytes / bandwidth).
+// Computed by the roofline (plan/roofline.h) for one GPU.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -30,10 +31,6 @@ struct DecodeCost {
 // Distinct experts a batch selects per MoE layer, expected under uniform routing:
 // E * (1 - (1 - k/E)^batch). 0 for models without experts.
 double expected_distinct_experts(const ModelConfig& c, int batch);
-
-// Bytes per weight of a linear module under the checkpoint's quantization settings: NVFP4
-// (0.5625: 4-bit code + an FP8 scale per 16) where quantized, else BF16 (2).
-double bytes_per_weight(const ModelConfig& c, const std::string& module);
 
 // `batch` sequences, each attending over `context` cached positions, with KV entries of
 // `kv_bytes` bytes each.

@@ -1,0 +1,274 @@
+#include "plan/roofline.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <set>
+
+#include "common/error.h"
+#include "formats/quant_config.h"
+#include "model/model_config.h"
+
+namespace kestrel {
+namespace {
+
+constexpr double kNvfp4 = 0.5 + 1.0 / 16.0;  // 4-bit code + an FP8 scale per 16 weights
+
+double bpw(const QuantConfig& q, QuantWhatIf w, const std::string& module) {
+  switch (w) {
+    case QuantWhatIf::Nvfp4: return kNvfp4;
+    case QuantWhatIf::Bf16: return 2.0;
+    default: return q.quantizes(module) ? kNvfp4 : 2.0;
+  }
+}
+
+struct Builder {
+  StepShapes& s;
+  const QuantConfig& q;
+  QuantWhatIf w;
+  void add(const std::string& name, Part part, Split split, double out, double in, bool dense_only = false) {
+    const double b = dense_only ? 2.0 : bpw(q, w, name);
+    s.modules.push_back({name, part, split, out, in, 1.0, b});
+  }
+  double expert(const std::string& prefix, const std::string& g, const std::string& u, const std::string& d, double I,
+                double H) {
+    return I * H * (bpw(q, w, prefix + g) + bpw(q, w, prefix + u) + bpw(q, w, prefix + d));
+  }
+};
+
+int64_t get_int(const nlohmann::json& j, const char* key, const std::string& path, int64_t fallback = -1) {
+  if (!j.contains(key) || j[key].is_null()) {
+    if (fallback >= 0) return fallback;
+    fail(path, ": field '", key, "' is missing");
+  }
+  if (!j[key].is_number_integer() || j[key].get<int64_t>() < 0) fail(path, ": field '", key, "' must be a non-negative integer");
+  return j[key].get<int64_t>();
+}
+
+StepShapes mla_shapes(const nlohmann::json& j, const std::string& path, QuantWhatIf w) {
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  const QuantConfig q = load_quant_config(dir, j, path);
+  StepShapes s;
+  Builder b{s, q, w};
+  s.mla = true;
+  s.architecture = j.value("architectures", nlohmann::json::array({"?"}))[0].get<std::string>();
+  const double H = double(s.hidden = get_int(j, "hidden_size", path));
+  s.layers = get_int(j, "num_hidden_layers", path);
+  s.vocab = get_int(j, "vocab_size", path);
+  const double nh = double(get_int(j, "num_attention_heads", path));
+  const double qlr = double(get_int(j, "q_lora_rank", path, 0)), kvlr = double(get_int(j, "kv_lora_rank", path));
+  const double nope = double(get_int(j, "qk_nope_head_dim", path)), rope = double(get_int(j, "qk_rope_head_dim", path));
+  const double vd = double(get_int(j, "v_head_dim", path));
+  const double ihn = double(get_int(j, "index_n_heads", path, 0)), ihd = double(get_int(j, "index_head_dim", path, 0));
+  s.attended_positions_cap = get_int(j, "index_topk", path, 0);
+  s.kv_values_per_position = kvlr + rope;
+  s.index_values_per_position = ihn > 0 ? ihd : 0;
+  const int64_t dense_layers = get_int(j, "first_k_dense_replace", path, 0);
+  const double I = double(get_int(j, "intermediate_size", path));
+  const double E = double(s.experts = get_int(j, "n_routed_experts", path, 0));
+  s.experts_per_token = get_int(j, "num_experts_per_tok", path, 0);
+  const double MI = double(get_int(j, "moe_intermediate_size", path, 0));
+  const double shared = double(get_int(j, "n_shared_experts", path, 0));
+  for (int64_t i = 0; i < s.layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    const std::string a = p + "self_attn.";
+    if (qlr > 0) {
+      b.add(a + "q_a_proj", Part::Attention, Split::Replicated, qlr, H);
+      b.add(a + "q_b_proj", Part::Attention, Split::Column, nh * (nope + rope), qlr);
+    } else {
+      b.add(a + "q_proj", Part::Attention, Split::Column, nh * (nope + rope), H);
+    }
+    b.add(a + "kv_a_proj_with_mqa", Part::Attention, Split::Replicated, kvlr + rope, H);
+    b.add(a + "kv_b_proj", Part::Attention, Split::Column, nh * (nope + vd), kvlr);
+    b.add(a + "o_proj", Part::Attention, Split::Row, H, nh * vd);
+    if (ihn > 0) {
+      b.add(a + "indexer.wq_b", Part::Attention, Split::Replicated, ihn * ihd, qlr > 0 ? qlr : H);
+      b.add(a + "indexer.wk", Part::Attention, Split::Replicated, ihd, H);
+      b.add(a + "indexer.weights_proj", Part::Attention, Split::Replicated, ihn, H, true);
+    }
+    if (i < dense_layers || E == 0) {
+      b.add(p + "mlp.gate_proj", Part::DenseFfn, Split::Column, I, H);
+      b.add(p + "mlp.up_proj", Part::DenseFfn, Split::Column, I, H);
+      b.add(p + "mlp.down_proj", Part::DenseFfn, Split::Row, H, I);
+      continue;
+    }
+    ++s.moe_layers;
+    b.add(p + "mlp.gate", Part::Router, Split::Replicated, E, H, true);
+    if (shared > 0) {
+      const std::string sp = p + "mlp.shared_experts.";
+      b.add(sp + "gate_proj", Part::SharedExperts, Split::Column, MI * shared, H);
+      b.add(sp + "up_proj", Part::SharedExperts, Split::Column, MI * shared, H);
+      b.add(sp + "down_proj", Part::SharedExperts, Split::Row, H, MI * shared);
+    }
+    if (s.expert_bytes == 0) s.expert_bytes = b.expert(p + "mlp.experts.0.", "gate_proj", "up_proj", "down_proj", MI, H);
+  }
+  b.add("lm_head", Part::LmHead, Split::Vocab, double(s.vocab), H, true);
+  return s;
+}
+
+StepShapes gqa_shapes(const ModelConfig& c, QuantWhatIf w) {
+  StepShapes s;
+  Builder b{s, c.quant, w};
+  s.architecture = c.architecture;
+  s.layers = c.num_layers;
+  s.hidden = c.hidden_size;
+  s.vocab = c.vocab_size;
+  s.kv_heads = c.num_kv_heads;
+  s.kv_values_per_position = 2.0 * double(c.num_kv_heads * c.head_dim);
+  s.experts = c.num_experts;
+  s.experts_per_token = c.experts_per_token;
+  const double H = double(c.hidden_size), hd = double(c.head_dim), nq = double(c.num_heads), nkv = double(c.num_kv_heads);
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    b.add(p + "self_attn.q_proj", Part::Attention, Split::Column, nq * hd, H);
+    b.add(p + "self_attn.k_proj", Part::Attention, Split::KvHeads, nkv * hd, H);
+    b.add(p + "self_attn.v_proj", Part::Attention, Split::KvHeads, nkv * hd, H);
+    b.add(p + "self_attn.o_proj", Part::Attention, Split::Row, H, nq * hd);
+    if (!c.is_moe_layer(i)) {
+      const double I = double(c.intermediate_size);
+      b.add(p + "mlp.gate_proj", Part::DenseFfn, Split::Column, I, H);
+      b.add(p + "mlp.up_proj", Part::DenseFfn, Split::Column, I, H);
+      b.add(p + "mlp.down_proj", Part::DenseFfn, Split::Row, H, I);
+      continue;
+    }
+    ++s.moe_layers;
+    const double E = double(c.num_experts), I = double(c.moe_intermediate_size);
+    b.add(p + c.moe_prefix + ".gate", Part::Router, Split::Replicated, E, H, true);
+    if (c.num_shared_experts > 0) {
+      const double S = I * double(c.num_shared_experts);
+      const std::string sp = p + "mlp.shared_experts.";
+      b.add(sp + "gate_proj", Part::SharedExperts, Split::Column, S, H);
+      b.add(sp + "up_proj", Part::SharedExperts, Split::Column, S, H);
+      b.add(sp + "down_proj", Part::SharedExperts, Split::Row, H, S);
+    }
+    if (s.expert_bytes == 0)
+      s.expert_bytes = b.expert(p + c.moe_prefix + ".experts.0.", c.expert_gate, c.expert_up, c.expert_down, I, H);
+  }
+  b.add("lm_head", Part::LmHead, Split::Vocab, double(c.vocab_size), H, true);
+  return s;
+}
+
+// "model.layers.3.self_attn.indexer.wk" -> "indexer.wk"
+std::string short_name(const std::string& name) {
+  std::string n = name;
+  if (n.rfind("model.layers.", 0) == 0) n = n.substr(n.find('.', 13) + 1);
+  for (const char* prefix : {"self_attn.", "mlp."})
+    if (n.rfind(prefix, 0) == 0) return n.substr(std::string(prefix).size());
+  return n;
+}
+
+}  // namespace
+
+const char* part_name(Part p) {
+  switch (p) {
+    case Part::Attention: return "attention weights";
+    case Part::DenseFfn: return "dense FFN";
+    case Part::RoutedExperts: return "routed experts";
+    case Part::SharedExperts: return "shared experts";
+    case Part::Router: return "router";
+    case Part::Embedding: return "embedding rows";
+    case Part::LmHead: return "LM head";
+  }
+  return "?";
+}
+
+StepShapes step_shapes(const nlohmann::json& config, const std::string& config_path, QuantWhatIf quant) {
+  if (!config.is_object()) fail(config_path, ": not a JSON object");
+  if (config.contains("kv_lora_rank") && !config["kv_lora_rank"].is_null()) return mla_shapes(config, config_path, quant);
+  ModelConfig c = parse_model_config(config, config_path);
+  c.quant = load_quant_config(std::filesystem::path(config_path).parent_path().string(), config, config_path);
+  return gqa_shapes(c, quant);
+}
+
+StepShapes step_shapes(const ModelConfig& c, QuantWhatIf quant) { return gqa_shapes(c, quant); }
+
+Roofline roofline(const StepShapes& s, const Layout& layout, int batch, int64_t context, double kv_bytes,
+                  double bandwidth_gbs, const GpuSpec& link) {
+  const int tp = layout.tp, ep = layout.ep;
+  if (tp < 1) fail("--tp: must be at least 1, got ", tp);
+  if (ep != 1 && ep != tp) fail("--ep: must be 1 (experts split by tensor parallelism) or equal to --tp (", tp, "), got ", ep);
+  if (ep > 1 && s.experts > 0 && s.experts % ep != 0) fail("--ep ", ep, ": ", s.experts, " experts do not divide evenly");
+  if (batch < 1) fail("--batch: must be at least 1, got ", batch);
+  if (context < 1) fail("--context: must be at least 1, got ", context);
+  if (bandwidth_gbs <= 0) fail("--bandwidth: must be positive");
+  const double B = double(batch), H = double(s.hidden);
+  Roofline r;
+  auto part = [&](Part p) -> RooflinePart& {
+    for (RooflinePart& x : r.parts)
+      if (x.part == p) return x;
+    r.parts.push_back({p, 0.0, ""});
+    return r.parts.back();
+  };
+  auto shards = [&](Split sp) {
+    switch (sp) {
+      case Split::Column:
+      case Split::Row:
+      case Split::Vocab: return double(tp);
+      case Split::KvHeads: return double(std::min<int64_t>(tp, std::max<int64_t>(s.kv_heads, 1)));
+      default: return 1.0;
+    }
+  };
+  std::map<Part, std::set<std::string>> replicated;
+  for (const ModuleShape& m : s.modules) {
+    const double full = m.out * m.in * m.bytes_per_weight * m.count;
+    part(m.part).bytes += full / shards(m.split);
+    r.resident_bytes += full / shards(m.split);
+    if (tp > 1 && (m.split == Split::Replicated || (m.split == Split::KvHeads && s.kv_heads < tp))) {
+      replicated[m.part].insert(short_name(m.name));
+    }
+  }
+  // Embedding rows: each token's row lives on one rank of a vocabulary-split table.
+  part(Part::Embedding).bytes = B * H * 2.0 / tp;
+  r.resident_bytes += double(s.vocab) * H * 2.0 / tp;
+  if (s.experts > 0) {
+    const double E = double(s.experts), K = double(s.experts_per_token);
+    const double per_rank = ep > 1 ? E / ep : E;
+    r.expected_experts = per_rank * (1.0 - std::pow(1.0 - K / E, B));
+    RooflinePart& re = part(Part::RoutedExperts);
+    re.bytes = double(s.moe_layers) * r.expected_experts * s.expert_bytes / (ep > 1 ? 1.0 : double(tp));
+    r.resident_bytes += double(s.moe_layers) * per_rank * s.expert_bytes / (ep > 1 ? 1.0 : double(tp));
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "%.1f of %.0f experts per layer%s (expected under uniform routing)", r.expected_experts,
+                  per_rank, ep > 1 ? " on each GPU" : "");
+    re.how = buf;
+  }
+  for (RooflinePart& p : r.parts) {
+    if (!p.how.empty()) continue;
+    if (tp == 1) p.how = "whole";
+    else if (p.part == Part::Router) p.how = "replicated";
+    else if (p.part == Part::Embedding) p.how = "rows of this GPU's vocabulary share";
+    else p.how = "split " + std::to_string(tp) + " ways";
+    if (tp > 1 && p.part != Part::Router && !replicated[p.part].empty()) {
+      std::string names;
+      for (const std::string& n : replicated[p.part]) names += (names.empty() ? "" : ", ") + n;
+      p.how += " except " + names + " (replicated)";
+    }
+  }
+  std::stable_sort(r.parts.begin(), r.parts.end(), [](const RooflinePart& a, const RooflinePart& b) { return a.part < b.part; });
+  for (const RooflinePart& p : r.parts) r.weight_bytes += p.bytes;
+
+  // KV cache: GQA heads split across ranks (replicated below one head per rank); the MLA latent
+  // is replicated on every rank; DSA attends to at most index_topk positions but its indexer
+  // reads a key at every position.
+  const double L = double(context), layers = double(s.layers);
+  if (s.mla) {
+    const double attended = s.attended_positions_cap > 0 ? std::min(L, double(s.attended_positions_cap)) : L;
+    r.kv_bytes = B * layers * (attended * s.kv_values_per_position + L * s.index_values_per_position) * kv_bytes;
+  } else {
+    const double heads = double(std::max<int64_t>(s.kv_heads, 1));
+    const double per_gpu_heads = std::ceil(heads / double(std::min<int64_t>(tp, s.kv_heads)));
+    r.kv_bytes = B * L * layers * s.kv_values_per_position / heads * per_gpu_heads * kv_bytes;
+  }
+  r.memory_ms = r.total_bytes() / (bandwidth_gbs * 1e6);
+  const int ranks = std::max(tp, ep);
+  if (ranks > 1) {
+    r.allreduces = int(2 * s.layers + 1);  // after attention and after the FFN of each layer; the sampled token
+    r.allreduce_bytes = B * H * 2.0;          // BF16 activations
+    const double per = link.allreduce_latency_us + r.allreduce_bytes * 2.0 * (ranks - 1) / ranks / (link.link_gbs * 1e3);
+    r.comm_ms = r.allreduces * per / 1e3;
+  }
+  r.floor_ms = r.memory_ms + r.comm_ms;
+  return r;
+}
+
+}  // namespace kestrel
