@@ -39,6 +39,8 @@ import numpy as np, sys
 a, b = (np.fromfile(sys.argv[i], dtype=np.float32) for i in (1, 2))
 print(f'cli: kestrel logits --device cuda vs cpu on $fx: rel L2 {np.linalg.norm(a - b) / np.linalg.norm(b):.2e}')
 " "$OUT/logits_cuda.bin" "$OUT/logits_cpu.bin" | tee -a "$OUT/cli.txt"
+"$BUILD/src/kestrel" profile --model "$fx" --steps 10 --plot "$OUT/profile_fixture.svg" >>"$OUT/cli.txt" 2>&1 &&
+  echo "cli: kestrel profile on $fx: ok" | tee -a "$OUT/cli.txt"
 
 bench() {  # name, then kestrel bench arguments
   local name=$1; shift
@@ -46,7 +48,8 @@ bench() {  # name, then kestrel bench arguments
   "$BUILD/src/kestrel" bench "$@" --json "$OUT/bench_$name.json" 2>>"$OUT/bench.txt" | tee -a "$OUT/bench.txt"
 }
 if [ -z "${SKIP_BENCH:-}" ]; then
-  bench qwen3-30b-a3b --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,2,4,8 --context 1024 --steps 50 --ops
+  bench qwen3-30b-a3b --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,2,4,8 --context 1024 --steps 50 --ops \
+    --plot "$OUT/ops_qwen3-30b-a3b.svg"
   KESTREL_MMA_MIN_BATCH=1 bench qwen3-30b-a3b-mma-b1 --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1 --context 1024 --steps 50
   KESTREL_PDL=0 bench qwen3-30b-a3b-no-pdl --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 50
   bench glm-4.5-air --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 30

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "apps/commands.h"
+#include "apps/svg_bars.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/decoder.h"
 #include "backend/cuda/device_model.h"
@@ -26,7 +27,7 @@ struct Options {
   std::string batches = "1,8";
   int64_t context = 1024;
   int steps = 100;
-  std::string json;
+  std::string json, plot;
   bool ops = false;
 };
 
@@ -38,9 +39,10 @@ struct OpRow {
 };
 
 // Per-op times of `steps` plain-launch steps at batch B, summed per op name within a step;
-// the median over steps is reported.
-void print_ops(cuda::Decoder& dec, const ModelConfig& c, int B, int64_t context, int steps, double bw,
-               cudaStream_t s, nlohmann::json& out) {
+// the median over steps is reported, with how far the sum is from the step timed without events
+// (graph_ms, no_graph_ms). Returns the rows for a plot.
+std::vector<BarRow> print_ops(cuda::Decoder& dec, const ModelConfig& c, int B, int64_t context, int steps, double bw,
+                              double graph_ms, double no_graph_ms, cudaStream_t s, nlohmann::json& out) {
   cuda::OpTimer timer;
   std::vector<OpRow> rows;
   const double kv_per_layer = double(B) * double(context) * double(c.num_kv_heads * c.head_dim) * 2.0 * 4.0;
@@ -80,6 +82,13 @@ void print_ops(cuda::Decoder& dec, const ModelConfig& c, int B, int64_t context,
                    {"floor_us", floor_us}});
   }
   std::printf("  %-14s %6s %10.1f\n", "total", "", total * 1e3);
+  std::printf("  the same step without events: %.1f us with plain launches, %.1f us as one CUDA graph;\n"
+              "  the events between ops add %.1f us (%.0f%%), and the graph saves %.1f us of launch gaps\n",
+              no_graph_ms * 1e3, graph_ms * 1e3, (total - no_graph_ms) * 1e3, 100.0 * (total - no_graph_ms) / no_graph_ms,
+              (no_graph_ms - graph_ms) * 1e3);
+  std::vector<BarRow> bars;
+  for (const auto& r : rows) bars.push_back({r.name, r.ms[r.ms.size() / 2] * 1e3, r.bytes / bw * 1e6});
+  return bars;
 }
 
 // Device-to-device copy of 4 GiB: bytes read + written over time (the bandwidth ceiling).
@@ -130,19 +139,42 @@ ModelConfig config_from_file(const std::string& path) {
   return c;
 }
 
+int run_bench(const Options* o);
+
+void add_common(CLI::App& app, Options* o) {
+  app.add_option("--model", o->model, "Model folder (its weights are uploaded)");
+  app.add_option("--config", o->config, "config.json whose shapes get random weights (with --random-weights)");
+  app.add_flag("--random-weights", o->random_weights, "Fill the model's shapes with random weights on the GPU");
+  app.add_option("--batch", o->batches, "Batch sizes, comma-separated (bench: 1,8; profile: 1)");
+  app.add_option("--context", o->context, "Positions already in each sequence's KV cache (default 1024)");
+  app.add_option("--steps", o->steps, "Timed decode steps per batch size (bench: 100; profile: 30)");
+  app.add_option("--json", o->json, "Also write the results as JSON to this file");
+  app.add_option("--plot", o->plot, "With the per-op times: an SVG of each op against its floor (first batch size)");
+}
+
 }  // namespace
 
 Run add_bench(CLI::App& app) {
   auto o = std::make_shared<Options>();
-  app.add_option("--model", o->model, "Model folder (its weights are uploaded)");
-  app.add_option("--config", o->config, "config.json whose shapes get random weights (with --random-weights)");
-  app.add_flag("--random-weights", o->random_weights, "Fill the model's shapes with random weights on the GPU");
-  app.add_option("--batch", o->batches, "Batch sizes, comma-separated (default 1,8)");
-  app.add_option("--context", o->context, "Positions already in each sequence's KV cache (default 1024)");
-  app.add_option("--steps", o->steps, "Timed decode steps per batch size (default 100)");
-  app.add_option("--json", o->json, "Also write the results as JSON to this file");
+  add_common(app, o.get());
   app.add_flag("--ops", o->ops, "Also time every op of the step and compare each with its floor");
-  return [o]() {
+  return [o]() { return run_bench(o.get()); };
+}
+
+// kestrel profile: the per-op view of bench (where the time of a step goes), batch 1 by default.
+Run add_profile(CLI::App& app) {
+  auto o = std::make_shared<Options>();
+  o->ops = true;
+  o->batches = "1";
+  o->steps = 30;
+  add_common(app, o.get());
+  return [o]() { return run_bench(o.get()); };
+}
+
+namespace {
+
+int run_bench(const Options* o) {
+  {
     if (o->model.empty() == o->config.empty()) fail("bench: give either --model DIR or --config FILE --random-weights");
     if (!o->config.empty() && !o->random_weights) fail("bench: --config needs --random-weights");
     if (o->steps < 1) fail("bench: --steps must be positive");
@@ -203,11 +235,23 @@ Run add_bench(CLI::App& app) {
     }
     nlohmann::json ops = nlohmann::json::array();
     if (o->ops)
-      for (int B : batches) {
+      for (size_t i = 0; i < batches.size(); ++i) {
+        const int B = batches[i];
         std::vector<int32_t> tok(static_cast<size_t>(B), 1), pos(static_cast<size_t>(B), int32_t(o->context));
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.tokens(), tok.data(), size_t(B) * 4, cudaMemcpyHostToDevice, s));
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.positions(), pos.data(), size_t(B) * 4, cudaMemcpyHostToDevice, s));
-        print_ops(dec, c, B, o->context, 10, bw, s, ops);
+        const auto bars = print_ops(dec, c, B, o->context, 10, bw, results[i]["graph_ms"].get<double>(),
+                                    results[i]["no_graph_ms"].get<double>(), s, ops);
+        if (i == 0 && !o->plot.empty()) {
+          const std::string svg = svg_bars(c.architecture + ", batch " + std::to_string(B) + ", context " +
+                                               std::to_string(o->context) + ": time per op and step",
+                                           "us per step", bars);
+          FILE* f = std::fopen(o->plot.c_str(), "w");
+          if (!f) fail(o->plot, ": cannot open for writing");
+          std::fputs(svg.c_str(), f);
+          std::fclose(f);
+          std::printf("  plot: %s\n", o->plot.c_str());
+        }
       }
     if (!o->json.empty()) {
       results = {{"steps", results}, {"ops", ops}};
@@ -217,7 +261,8 @@ Run add_bench(CLI::App& app) {
       std::fclose(f);
     }
     return 0;
-  };
+  }
 }
 
+}  // namespace
 }  // namespace kestrel::apps

@@ -18,6 +18,7 @@ Run add_serve(CLI::App& app);
 #endif
 #ifdef KESTREL_HAVE_CUDA
 Run add_bench(CLI::App& app);
+Run add_profile(CLI::App& app);
 #endif
 
 }  // namespace kestrel::apps

@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   add("tokenize", "Encode text to token ids, or decode ids to text, with a tokenizer.json", kestrel::apps::add_tokenize);
 #ifdef KESTREL_HAVE_CUDA
   add("bench", "Time decode steps on the GPU against the memory-bandwidth floor", kestrel::apps::add_bench);
+  add("profile", "Where a decode step's time goes on the GPU: each op against its floor", kestrel::apps::add_profile);
 #endif
   if (argc > 1 && argv[1][0] != '-') {
     bool known = false;
