@@ -12,6 +12,7 @@ Run add_inspect(CLI::App& app);
 Run add_logits(CLI::App& app);
 Run add_tokenize(CLI::App& app);
 Run add_generate(CLI::App& app);
+Run add_chat(CLI::App& app);
 Run add_roofline(CLI::App& app);
 #ifdef KESTREL_HAVE_SERVER
 Run add_serve(CLI::App& app);

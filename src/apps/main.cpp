@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
     runs[sub] = fn(*sub);
   };
   add("inspect", "Describe a model folder: architecture, layers, parameters, storage formats", kestrel::apps::add_inspect);
+  add("chat", "Talk with a model on the terminal (one user turn per line)", kestrel::apps::add_chat);
   add("logits", "Write the float32 logits of every position of a token sequence", kestrel::apps::add_logits);
   add("generate", "Generate text from a prompt, streamed to stdout", kestrel::apps::add_generate);
 #ifdef KESTREL_HAVE_SERVER

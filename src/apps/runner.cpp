@@ -29,6 +29,9 @@ class CpuRunner final : public Runner {
     fwd_.run(tokens, cache_, every.data());
     std::copy(every.end() - vocab_, every.end(), logits);
   }
+  void reset() override { cache_.clear(); }
+  int64_t position() const override { return cache_.length(); }
+  int64_t vocab() const override { return vocab_; }
   std::string describe() const override { return "cpu, " + std::to_string(pool_.size()) + " threads"; }
 
  private:
@@ -49,6 +52,9 @@ class CudaRunner final : public Runner {
     if (cudaGetDeviceProperties(&p, 0) == cudaSuccess) name_ = p.name;
   }
   void run(std::span<const int32_t> tokens, float* logits, bool all) override { session_->run(tokens, logits, all); }
+  void reset() override { session_->reset(); }
+  int64_t position() const override { return session_->position(); }
+  int64_t vocab() const override { return model_->config().vocab_size; }
   std::string describe() const override { return "cuda, " + name_; }
 
  private:

@@ -19,6 +19,11 @@ class Runner {
   // Runs `tokens` at the next positions: all at once on the CPU (prefill), one decode step per
   // token on the GPU. `logits` receives [tokens, vocab] if `all`, else the last token's [vocab].
   virtual void run(std::span<const int32_t> tokens, float* logits, bool all) = 0;
+  // Forgets every position: the next run starts at position 0.
+  virtual void reset() = 0;
+  // Positions held; logits per token.
+  virtual int64_t position() const = 0;
+  virtual int64_t vocab() const = 0;
   // "cpu, 2 threads" or "cuda, NVIDIA H200".
   virtual std::string describe() const = 0;
 };

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include "run_cli.h"
 
@@ -84,6 +85,43 @@ TEST_F(GenerateSmolLM2, ChatTemplateMatchesTransformers) {
   // tokens and this text (the Q4_1 weights of a 135M model are not a reliable geographer).
   EXPECT_EQ(text_of(r.output), "La femme de France, la femme de France, la femme de\n") << r.output;
   EXPECT_NE(r.output.find("prompt tokens: 25, generated tokens: 16"), std::string::npos) << r.output;
+}
+
+// kestrel chat: a turn gives what `generate --chat` gives; a second turn runs only its new tokens
+// (the cache keeps the first); /reset starts over and repeats the first answer.
+TEST_F(GenerateSmolLM2, ChatKeepsTheConversation) {
+  const auto g = run_kestrel("generate --model " + kSmolLM2 + " --chat --prompt 'What is 2+2?' --max-tokens 12");
+  ASSERT_EQ(g.status, 0) << g.output;
+  const std::string answer = text_of(g.output);
+  const std::string input = testing::TempDir() + "/chat_input.txt";
+  {
+    std::ofstream f(input);
+    f << "What is 2+2?\nAnd 3+3?\n/reset\nWhat is 2+2?\n";
+  }
+  const auto c = run_kestrel("chat --model " + kSmolLM2 + " --max-tokens 12 < " + input);
+  ASSERT_EQ(c.status, 0) << c.output;
+  std::vector<std::string> replies, stats;
+  size_t at = 0;
+  while (at < c.output.size()) {
+    const size_t nl = c.output.find('\n', at);
+    const std::string line = c.output.substr(at, nl - at);
+    at = nl == std::string::npos ? c.output.size() : nl + 1;
+    if (line.rfind("kestrel chat", 0) == 0 || line == "(conversation cleared)") continue;
+    (line.rfind("(", 0) == 0 ? stats : replies).push_back(line);
+  }
+  ASSERT_EQ(replies.size(), 3u) << c.output;
+  EXPECT_EQ(replies[0] + "\n", answer);
+  EXPECT_EQ(replies[2], replies[0]);
+  ASSERT_EQ(stats.size(), 3u) << c.output;
+  EXPECT_EQ(stats[0].rfind("(37 new prompt tokens", 0), 0u) << stats[0];
+  EXPECT_EQ(stats[2].rfind("(37 new prompt tokens", 0), 0u) << stats[2];
+  EXPECT_LT(std::stoi(stats[1].substr(1)), 37) << stats[1];  // only the second turn's tokens
+}
+
+TEST(Generate, ChatWithoutTokenizerFailsWithOneLine) {
+  const auto r = run_kestrel("chat --model " KESTREL_FIXTURES "/llama-bf16 < /dev/null");
+  EXPECT_NE(r.status, 0);
+  EXPECT_EQ(lines(r.output), 1) << r.output;
 }
 
 }  // namespace

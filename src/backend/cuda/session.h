@@ -23,6 +23,8 @@ class Session {
   // every token ([tokens, vocab]) if `all`, else those of the last token only ([vocab]).
   void run(std::span<const int32_t> tokens, float* logits, bool all = false);
   int position() const { return pos_; }
+  // Forgets the sequence: the next run starts at position 0 (its cache entries are overwritten).
+  void reset() { pos_ = 0; }
 
  private:
   static constexpr int kChunk = 8;  // positions per step
