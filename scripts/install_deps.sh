@@ -12,7 +12,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
-# The openai client for the server tests, in .venv (Debian's Python is externally managed).
+# The openai client and schemathesis for the server tests, in .venv (Debian's Python is externally managed).
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python3 ] || python3 -m venv .venv
 .venv/bin/python3 -c "import openai" 2>/dev/null || .venv/bin/pip install -q "openai>=1.0"
+[ -x .venv/bin/schemathesis ] || .venv/bin/pip install -q "schemathesis>=4"

@@ -9,6 +9,7 @@
 #include "common/error.h"
 #include "runtime/sampler.h"
 #include "server/openai_api.h"
+#include "server/openapi.h"
 #include "text/detokenize.h"
 
 namespace kestrel::server {
@@ -133,6 +134,10 @@ void HttpServer::routes() {
     json m = {{"id", o_.model_name}, {"object", "model"}, {"created", created_}, {"owned_by", "kestrel"},
               {"max_model_len", engine_.context()}};
     res.set_content(dump(json{{"object", "list"}, {"data", json::array({m})}}), "application/json");
+  });
+
+  svr_->Get("/openapi.json", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(dump(openapi_spec(o_.model_name, engine_.context())), "application/json");
   });
 
   svr_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {

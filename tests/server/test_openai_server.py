@@ -2,7 +2,7 @@
 """`kestrel serve` against the official `openai` client: completions and chat, streaming and not,
 stop sequences, usage, log-probabilities, errors, 32 concurrent streams that must each get what
 they get alone, a client that disconnects mid-stream, memory that returns to its level, a load
-test of 200 requests from 16 clients (load_test.py), SIGTERM.
+test of 200 requests from 16 clients (load_test.py), schemathesis against /openapi.json, SIGTERM.
 
 Usage: test_openai_server.py KESTREL_BINARY MODEL_PATH. Exits 77 (skipped) when the model or the
 `openai` package is absent."""
@@ -179,6 +179,32 @@ try:
     import load_test
     result = load_test.run(f"http://127.0.0.1:{port}", NAME, requests=200, concurrency=16, max_tokens=4, api_key=KEY)
     check(result["errors"] == 0 and result["requests"] == 200, "load test: 200 requests, 16 concurrent, no errors")
+    # schemathesis against the server's OpenAPI description, on a second server with a short
+    # context so that generated requests stay quick: no 5xx, only documented status codes.
+    st = os.path.join(os.path.dirname(sys.executable), "schemathesis")
+    if os.path.exists(st):
+        small = subprocess.Popen([BIN, "serve", "--model", MODEL, "--port", "0", "--context", "48",
+                                  "--served-model-name", NAME], stderr=subprocess.PIPE, text=True)
+        small_port = None
+        for line in small.stderr:
+            m = re.search(r"on http://[\d.]+:(\d+)", line)
+            if m:
+                small_port = int(m.group(1))
+                break
+        threading.Thread(target=lambda: [None for _ in small.stderr], daemon=True).start()
+        try:
+            r = subprocess.run([st, "run", f"http://127.0.0.1:{small_port}/openapi.json", "--checks",
+                                "not_a_server_error,status_code_conformance", "-n", "15"],
+                               capture_output=True, text=True, timeout=600)
+            summary = [l for l in r.stdout.splitlines() if "generated" in l or "issues" in l or "passed" in l]
+            check(r.returncode == 0, "schemathesis: " + " / ".join(x.strip(" =") for x in summary[-2:]))
+            if r.returncode != 0:
+                print(r.stdout[-3000:])
+        finally:
+            small.send_signal(signal.SIGTERM)
+            small.wait(timeout=20)
+    else:
+        print("skip schemathesis: not installed next to", sys.executable)
 finally:
     proc.send_signal(signal.SIGTERM)
     try:

@@ -1,0 +1,13 @@
+// The server's OpenAPI 3 description (GET /openapi.json): what clients and API fuzzers
+// (schemathesis, in the tests) are told the endpoints accept and answer.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "server/openai_api.h"
+
+namespace kestrel::server {
+
+json openapi_spec(const std::string& model_name, int64_t context);
+
+}  // namespace kestrel::server
