@@ -2,7 +2,6 @@
 // floor (bytes the step must read / measured memory bandwidth).
 #include <algorithm>
 #include <cstdio>
-#include <filesystem>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -132,12 +131,6 @@ std::vector<int> parse_list(const std::string& s) {
   return v;
 }
 
-ModelConfig config_from_file(const std::string& path) {
-  const nlohmann::json j = read_json_file(path);
-  ModelConfig c = parse_model_config(j, path);
-  c.quant = load_quant_config(std::filesystem::path(path).parent_path().string(), j, path);
-  return c;
-}
 
 int run_bench(const Options* o);
 
@@ -185,7 +178,7 @@ int run_bench(const Options* o) {
       host = load_model(o->model, true);
       dm = cuda::DeviceModel::upload(*host);
     } else {
-      dm = cuda::DeviceModel::random(o->model.empty() ? config_from_file(o->config) : load_model_config(o->model));
+      dm = cuda::DeviceModel::random(o->model.empty() ? parse_model_config_and_quant(read_json_file(o->config), o->config) : load_model_config(o->model));
     }
     const ModelConfig& c = dm->config();
     const double bw = measure_bandwidth();

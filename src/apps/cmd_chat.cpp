@@ -30,10 +30,6 @@ struct Options {
   int threads = 0;
 };
 
-void out(const std::string& s) {
-  std::fwrite(s.data(), 1, s.size(), stdout);
-  std::fflush(stdout);
-}
 
 }  // namespace
 
@@ -95,8 +91,8 @@ Run add_chat(CLI::App& app) {
       }
       std::vector<int32_t> history = all;
       const std::span<const int32_t> fresh(all.data() + keep, all.size() - keep);
-      const Reply r = reply(*runner, tok, model->config.eos_token_ids, fresh, history, all.size(), o->reply, out);
-      out("\n");
+      const Reply r = reply(*runner, tok, model->config.eos_token_ids, fresh, history, all.size(), o->reply, write_stdout);
+      write_stdout("\n");
       held.assign(all.begin(), all.begin() + long(keep));
       held.insert(held.end(), r.ran.begin(), r.ran.end());
       messages.push_back({{"role", "assistant"}, {"content", r.text}});

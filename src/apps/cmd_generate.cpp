@@ -29,11 +29,6 @@ struct Options {
   std::string device = "auto";
 };
 
-void emit(const std::string& s) {
-  if (s.empty()) return;
-  std::fwrite(s.data(), 1, s.size(), stdout);
-  std::fflush(stdout);
-}
 
 }  // namespace
 
@@ -73,8 +68,8 @@ Run add_generate(CLI::App& app) {
       if (id < 0 || id >= V) fail("--prompt: token id ", id, " is outside the model's vocabulary of ", V);
     auto runner = Runner::make(*model, o->device, int64_t(prompt.size()) + o->reply.max_tokens + 1, o->threads);
     std::vector<int32_t> history = prompt;
-    const Reply r = reply(*runner, tok, model->config.eos_token_ids, prompt, history, prompt.size(), o->reply, emit);
-    emit("\n");
+    const Reply r = reply(*runner, tok, model->config.eos_token_ids, prompt, history, prompt.size(), o->reply, write_stdout);
+    write_stdout("\n");
     std::fprintf(stderr,
                  "prompt tokens: %zu, generated tokens: %d, prefill: %.1f tokens/s, decode: %.1f tokens/s (%s)\n",
                  prompt.size(), r.generated, double(prompt.size()) / r.prefill_s,

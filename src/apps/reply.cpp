@@ -2,10 +2,17 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 
 #include "text/detokenize.h"
 
 namespace kestrel::apps {
+
+void write_stdout(const std::string& s) {
+  if (s.empty()) return;
+  std::fwrite(s.data(), 1, s.size(), stdout);
+  std::fflush(stdout);
+}
 
 void add_reply_options(CLI::App& app, ReplyOptions& o) {
   app.add_option("--max-tokens", o.max_tokens, "Most tokens to generate (default 128)");

@@ -29,6 +29,9 @@ struct Reply {
   int decode_steps = 0;
 };
 
+// Writes text to stdout at once (the streaming `emit` of generate and chat).
+void write_stdout(const std::string& s);
+
 // The sampling, stop and length options of `generate` and `chat`.
 void add_reply_options(CLI::App& app, ReplyOptions& o);
 

@@ -106,12 +106,17 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& path)
   return m;
 }
 
+ModelConfig parse_model_config_and_quant(const nlohmann::json& config, const std::string& config_path) {
+  ModelConfig m = parse_model_config(config, config_path);
+  m.quant = load_quant_config(fs::path(config_path).parent_path().string(), config, config_path);
+  return m;
+}
+
 ModelConfig load_model_config(const std::string& dir) {
   const std::string path = (fs::path(dir) / "config.json").string();
   if (!fs::exists(path)) fail(dir, ": no config.json in this folder");
   const nlohmann::json j = read_json_file(path);
-  ModelConfig m = parse_model_config(j, path);
-  m.quant = load_quant_config(dir, j, path);
+  ModelConfig m = parse_model_config_and_quant(j, path);
 
   // EOS/BOS: generation_config.json wins over config.json.
   JsonFields cfg(j, path);

@@ -82,6 +82,9 @@ ModelConfig load_model_config(const std::string& dir);
 
 // Same, from an already parsed config.json (used by the fuzzer and tests).
 ModelConfig parse_model_config(const nlohmann::json& config, const std::string& config_path);
+// parse_model_config plus the quantization settings (from the file, or hf_quant_config.json
+// beside it): a config file of any name, e.g. configs/qwen3-30b-a3b-nvfp4.json.
+ModelConfig parse_model_config_and_quant(const nlohmann::json& config, const std::string& config_path);
 
 std::vector<std::string> supported_architectures();
 

@@ -1,15 +1,13 @@
 #include "plan/decode_cost.h"
 
-#include <cmath>
-
 #include "plan/roofline.h"
 
 namespace kestrel {
 
 double expected_distinct_experts(const ModelConfig& c, int batch) {
   if (c.num_experts <= 0) return 0.0;
-  const double E = double(c.num_experts), K = double(c.experts_per_token);
-  return E * (1.0 - std::pow(1.0 - K / E, double(batch)));
+  const double E = double(c.num_experts);
+  return expected_distinct_experts(E, E, double(c.experts_per_token), batch);
 }
 
 std::vector<std::pair<std::string, double>> DecodeCost::parts() const {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <set>
 
 #include "common/error.h"
@@ -159,6 +160,10 @@ std::string short_name(const std::string& name) {
 
 }  // namespace
 
+double expected_distinct_experts(double pool, double experts, double top_k, int batch) {
+  return pool * (1.0 - std::pow(1.0 - top_k / experts, double(batch)));
+}
+
 const char* part_name(Part p) {
   switch (p) {
     case Part::Attention: return "attention weights";
@@ -175,9 +180,7 @@ const char* part_name(Part p) {
 StepShapes step_shapes(const nlohmann::json& config, const std::string& config_path, QuantWhatIf quant) {
   if (!config.is_object()) fail(config_path, ": not a JSON object");
   if (config.contains("kv_lora_rank") && !config["kv_lora_rank"].is_null()) return mla_shapes(config, config_path, quant);
-  ModelConfig c = parse_model_config(config, config_path);
-  c.quant = load_quant_config(std::filesystem::path(config_path).parent_path().string(), config, config_path);
-  return gqa_shapes(c, quant);
+  return gqa_shapes(parse_model_config_and_quant(config, config_path), quant);
 }
 
 StepShapes step_shapes(const ModelConfig& c, QuantWhatIf quant) { return gqa_shapes(c, quant); }
@@ -221,9 +224,9 @@ Roofline roofline(const StepShapes& s, const Layout& layout, int batch, int64_t 
   part(Part::Embedding).bytes = B * H * 2.0 / tp;
   r.resident_bytes += double(s.vocab) * H * 2.0 / tp;
   if (s.experts > 0) {
-    const double E = double(s.experts), K = double(s.experts_per_token);
+    const double E = double(s.experts);
     const double per_rank = ep > 1 ? E / ep : E;
-    r.expected_experts = per_rank * (1.0 - std::pow(1.0 - K / E, B));
+    r.expected_experts = expected_distinct_experts(per_rank, E, double(s.experts_per_token), batch);
     RooflinePart& re = part(Part::RoutedExperts);
     re.bytes = double(s.moe_layers) * r.expected_experts * s.expert_bytes / (ep > 1 ? 1.0 : double(tp));
     r.resident_bytes += double(s.moe_layers) * per_rank * s.expert_bytes / (ep > 1 ? 1.0 : double(tp));

@@ -5,7 +5,6 @@
 // the benchmarks report against) is the one-GPU case of this.
 #pragma once
 #include <cstdint>
-#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -13,6 +12,10 @@
 #include "plan/gpus.h"
 
 namespace kestrel {
+
+// Distinct experts a batch selects among `pool` of a layer's `experts` (top_k per token),
+// expected under uniform routing: pool * (1 - (1 - top_k/experts)^batch).
+double expected_distinct_experts(double pool, double experts, double top_k, int batch);
 
 enum class Part { Attention, DenseFfn, RoutedExperts, SharedExperts, Router, Embedding, LmHead };
 const char* part_name(Part p);

@@ -36,17 +36,19 @@ def check(cond, what):
         failures.append(what)
 
 
-proc = subprocess.Popen([BIN, "serve", "--model", MODEL, "--port", "0", "--context", "256", "--max-batch", "32",
-                         "--api-key", KEY, "--served-model-name", NAME, "--grace", "5"],
-                        stderr=subprocess.PIPE, text=True)
-port = None
-for line in proc.stderr:
-    m = re.search(r"on http://[\d.]+:(\d+)", line)
-    if m:
-        port = int(m.group(1))
-        break
-assert port, "the server did not start"
-threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep draining
+def start_server(*args):
+    """`kestrel serve` on a free port with these extra arguments: (process, port)."""
+    p = subprocess.Popen([BIN, "serve", "--model", MODEL, "--port", "0", "--served-model-name", NAME, *args],
+                         stderr=subprocess.PIPE, text=True)
+    for line in p.stderr:
+        m = re.search(r"on http://[\d.]+:(\d+)", line)
+        if m:
+            threading.Thread(target=lambda: [None for _ in p.stderr], daemon=True).start()  # keep draining
+            return p, int(m.group(1))
+    raise RuntimeError("the server did not start")
+
+
+proc, port = start_server("--context", "256", "--max-batch", "32", "--api-key", KEY, "--grace", "5")
 client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
@@ -183,15 +185,7 @@ try:
     # context so that generated requests stay quick: no 5xx, only documented status codes.
     st = os.path.join(os.path.dirname(sys.executable), "schemathesis")
     if os.path.exists(st):
-        small = subprocess.Popen([BIN, "serve", "--model", MODEL, "--port", "0", "--context", "48",
-                                  "--served-model-name", NAME], stderr=subprocess.PIPE, text=True)
-        small_port = None
-        for line in small.stderr:
-            m = re.search(r"on http://[\d.]+:(\d+)", line)
-            if m:
-                small_port = int(m.group(1))
-                break
-        threading.Thread(target=lambda: [None for _ in small.stderr], daemon=True).start()
+        small, small_port = start_server("--context", "48")
         try:
             r = subprocess.run([st, "run", f"http://127.0.0.1:{small_port}/openapi.json", "--checks",
                                 "not_a_server_error,status_code_conformance", "-n", "15"],

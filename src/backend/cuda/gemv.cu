@@ -177,33 +177,20 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
     for (int i = 0; i < njobs; ++i)
       mma &= (jobs[i].w.format == DFormat::NVFP4 || jobs[i].w.format == DFormat::BF16) && jobs[i].w.in % 64 == 0;
     by_batch(nb, [&](auto B) {
+      // Rows per warp group: a 16-row tile on tensor cores, R rows on CUDA cores.
       constexpr int R = rows_per_warp<B()>();
       Jobs J{};
-      if (mma) {
-        J.n = njobs;
-        for (int i = 0; i < njobs; ++i) {
-          J.j[i] = jobs[i];
-          J.j[i].y = jobs[i].y + size_t(b0) * jobs[i].w.out;
-          J.ks[i] = mma_warps_per_tile(jobs[i].w.in);
-          const int rows_per_block = (kWarps / J.ks[i]) * 16;
-          J.blocks[i] = (jobs[i].w.out + rows_per_block - 1) / rows_per_block;
-          J.blocks_total += J.blocks[i];
-        }
-        launch(mma_linear_kernel<B()>, dim3(unsigned(J.blocks_total)), dim3(kWarps * 32), 0, s, J, xb,
-               accumulate ? 1 : 0);
-        return;
-      }
       J.n = njobs;
       for (int i = 0; i < njobs; ++i) {
         J.j[i] = jobs[i];
         J.j[i].y = jobs[i].y + size_t(b0) * jobs[i].w.out;
-        J.ks[i] = warps_per_row(jobs[i].w);
-        const int rows_per_block = (kWarps / J.ks[i]) * R;
+        J.ks[i] = mma ? mma_warps_per_tile(jobs[i].w.in) : warps_per_row(jobs[i].w);
+        const int rows_per_block = (kWarps / J.ks[i]) * (mma ? 16 : R);
         J.blocks[i] = (jobs[i].w.out + rows_per_block - 1) / rows_per_block;
         J.blocks_total += J.blocks[i];
       }
-      const unsigned grid = unsigned(J.blocks_total);
-      launch(linear_kernel<B()>, dim3(grid), dim3(kWarps * 32), 0, s, J, xb, accumulate ? 1 : 0);
+      launch(mma ? mma_linear_kernel<B()> : linear_kernel<B()>, dim3(unsigned(J.blocks_total)), dim3(kWarps * 32), 0, s,
+             J, xb, accumulate ? 1 : 0);
     });
     KESTREL_CUDA_LAUNCHED();
   }
