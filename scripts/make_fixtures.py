@@ -60,6 +60,8 @@ CONFIG_CLASSES = {
     "mixtral": transformers.MixtralConfig,
     "qwen3_moe": transformers.Qwen3MoeConfig,
     "glm4_moe": transformers.Glm4MoeConfig,
+    "deepseek_v3": transformers.DeepseekV3Config,
+    "glm_moe_dsa": transformers.GlmMoeDsaConfig,
 }
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -68,8 +70,12 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
-MOE_FAMILIES = {"mixtral", "qwen3_moe", "glm4_moe"}
+MOE_FAMILIES = {"mixtral", "qwen3_moe", "glm4_moe", "deepseek_v3", "glm_moe_dsa"}
+SIGMOID_ROUTER_FAMILIES = {"glm4_moe", "deepseek_v3", "glm_moe_dsa"}
+MIN_INDEX_GAP = 2e-3  # smallest allowed gap at every DSA indexer top-k cut
 
 
 # --------------------------------------------------------------------------------------
@@ -251,6 +257,68 @@ FIXTURES = [
     ),
 ]
 
+def _mla(**kw):
+    """A tiny multi-head latent attention model: 4 heads, latent 32, nope 16 + rope 8, values 16."""
+    cfg = _base(num_hidden_layers=3, head_dim=None, num_key_value_heads=4, rms_norm_eps=1e-5,
+                kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+                bos_token_id=0, eos_token_id=1)
+    cfg.update(kw)
+    return cfg
+
+
+FIXTURES += [
+    Spec(
+        "deepseekv3-bf16", "deepseek_v3", "bf16", 113,
+        _mla(q_lora_rank=None, rope_interleave=False, n_group=2, topk_group=1, num_experts_per_tok=3,
+             rope_parameters=_rope(10000.0)),
+        {"bos_token_id": 0, "eos_token_id": 1},
+        "DeepSeek-V3 architecture (MLA) in the DeepSeek-V2-Lite style: no q_lora_rank (q_proj "
+        "[heads x 24, 64]), kv_lora_rank 32, qk_nope 16, qk_rope 8, v_head 16; rope_interleave false "
+        "(rotate-half on the rope part), default rope; layer 0 dense, layers 1-2 MoE with a shared "
+        "expert, sigmoid router with correction bias, n_group 2 / topk_group 1, top-3, scaling 2.5; "
+        "per-expert hub names.",
+    ),
+    Spec(
+        "deepseekv3-nvfp4", "deepseek_v3", "nvfp4-modelopt", 114,
+        _mla(rope_interleave=True, n_group=4, topk_group=2, attention_bias=False,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "mscale": 1.0, "mscale_all_dim": 1.0}),
+        {"bos_token_id": 0, "eos_token_id": 1},
+        "DeepSeek-V3/R1 style: q_lora_rank 32 (q_a_proj, q_a_layernorm, q_b_proj), interleaved rope, "
+        "YaRN (factor 4, mscale = mscale_all_dim = 1: the softmax scale grows by mscale^2), n_group 4 / "
+        "topk_group 2. ModelOpt NVFP4 on the MLPs only, as NVIDIA's DeepSeek-R1-FP4: dense MLP, shared "
+        "and routed experts NVFP4; attention, router and lm_head BF16 via exclude_modules.",
+        exclude=["lm_head", "model.layers.*.self_attn*", "model.layers.*.mlp.gate"],
+    ),
+    Spec(
+        "glm5-bf16", "glm_moe_dsa", "bf16", 115,
+        _mla(index_topk=4, index_head_dim=16, index_n_heads=4, indexer_types=["full", "shared", "full"],
+             rope_parameters=_rope(10000.0)),
+        {"bos_token_id": 0, "eos_token_id": [1, 2]},
+        "GLM-5 architecture (GlmMoeDsaForCausalLM): MLA with q_lora_rank 32 and interleaved rope, "
+        "plus the DSA indexer (4 heads of 16, rope on its first 8 dims, LayerNorm k_norm with bias, "
+        "weights_proj) with index_topk 4 < prompt length 10, so queries past position 3 attend to "
+        "4 selected positions only; indexer_types [full, shared, full] (layer 1 reuses layer 0's "
+        "selection and has no indexer weights); layer 0 dense, layers 1-2 MoE with a shared expert.",
+    ),
+    Spec(
+        "glm5-nvfp4", "glm_moe_dsa", "nvfp4-modelopt", 116,
+        _mla(index_topk=6, index_head_dim=16, index_n_heads=4, num_hidden_layers=2,
+             rope_parameters=_rope(1000000.0)),
+        {"bos_token_id": 0, "eos_token_id": 1},
+        "GLM-5 style with ModelOpt NVFP4 on the routed experts and the dense MLP only, as NVIDIA's "
+        "GLM-5-NVFP4 keeps attention (and its indexer), router and shared experts in BF16 "
+        "(exclude_modules); index_topk 6, every layer runs its indexer; settings in both config.json "
+        "and hf_quant_config.json; two shards.",
+        shards=2, quant_location="both",
+        exclude=["lm_head", "model.layers.*.self_attn*", "model.layers.*.mlp.gate",
+                 "model.layers.*.mlp.shared_experts*"],
+    ),
+]
+
 _SPEED_CFG = dict(
     vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
     num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
@@ -332,6 +400,8 @@ _EXPERT_NAMES = {
     "mixtral": ("w1", "w3", "w2"),
     "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
     "glm4_moe": ("gate_proj", "up_proj", "down_proj"),
+    "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
+    "glm_moe_dsa": ("gate_proj", "up_proj", "down_proj"),
 }
 
 
@@ -504,11 +574,15 @@ def compressed_tensors_config(ignore: list) -> dict:
 def forward_with_routes(model, tokens: torch.Tensor, family: str):
     captured = []
     hooks = []
+    indexed = []
     if family in MOE_FAMILIES:
         for name, mod in model.named_modules():
             if name.endswith(".mlp.gate"):
                 hooks.append(mod.register_forward_hook(
                     lambda m, inp, out, name=name: captured.append((name, m, inp[0].detach().clone()))))
+            if name.endswith(".self_attn.indexer"):
+                hooks.append(mod.register_forward_hook(
+                    lambda m, args, kwargs, out: indexed.append((m, args, kwargs)), with_kwargs=True))
     try:
         with torch.no_grad():
             logits = model(input_ids=tokens[None]).logits[0].to(torch.float32).contiguous()
@@ -521,7 +595,7 @@ def forward_with_routes(model, tokens: torch.Tensor, family: str):
         h = h.reshape(-1, h.shape[-1]).double()
         r = h @ mod.weight.detach().double().T
         k = cfg.num_experts_per_tok
-        if family == "glm4_moe":
+        if family in SIGMOID_ROUTER_FAMILIES:
             choice = torch.sigmoid(r) + mod.e_score_correction_bias.double()
             n_group, topk_group = cfg.n_group, cfg.topk_group
             per = choice.shape[-1] // n_group
@@ -539,7 +613,38 @@ def forward_with_routes(model, tokens: torch.Tensor, family: str):
         else:
             cs = r.sort(dim=-1, descending=True)[0]
             gap = min(gap, (cs[:, k - 1] - cs[:, k]).min().item())
+    for mod, args, kwargs in indexed:
+        gap = min(gap, index_gap(mod, *args[:3]))
     return logits, gap
+
+
+def index_scores(mod, hidden: torch.Tensor, q_resid: torch.Tensor, position_embeddings) -> torch.Tensor:
+    """The DSA indexer's scores [S, S] of one prompt (no cache), causal positions only (else -inf)."""
+    rope_mod = sys.modules[type(mod).__module__]
+    cos, sin = position_embeddings
+    s = hidden.shape[1]
+    q = mod.wq_b(q_resid).view(1, s, mod.n_heads, mod.head_dim)
+    q_rot, q_pass = torch.split(q, [mod.qk_rope_head_dim, mod.head_dim - mod.qk_rope_head_dim], dim=-1)
+    k = mod.k_norm(mod.wk(hidden)).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [mod.qk_rope_head_dim, mod.head_dim - mod.qk_rope_head_dim], dim=-1)
+    q_rot, k_rot = rope_mod.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q_pass], dim=-1)[0].double()  # [S, H, D]
+    k = torch.cat([k_rot, k_pass], dim=-1)[0, :, 0].double()  # [S, D]
+    scores = torch.relu(torch.einsum("shd,td->sht", q, k) * mod.softmax_scale)
+    w = mod.weights_proj(hidden).double()[0] * mod.n_heads ** -0.5  # [S, H]
+    idx = torch.einsum("sh,sht->st", w, scores)
+    return idx.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), -math.inf)
+
+
+def index_gap(mod, hidden, q_resid, position_embeddings) -> float:
+    """Smallest gap at the top-k cut over the queries that see more than index_topk positions."""
+    with torch.no_grad():
+        idx = index_scores(mod, hidden, q_resid, position_embeddings)
+    k, gap = mod.index_topk, math.inf
+    for i in range(k, idx.shape[0]):  # query i sees i + 1 positions
+        row = idx[i, : i + 1].sort(descending=True)[0]
+        gap = min(gap, (row[k - 1] - row[k]).item())
+    return gap
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:

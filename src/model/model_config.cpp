@@ -140,8 +140,21 @@ std::string ModelConfig::summary() const {
     << " dense)\n"
     << "hidden            " << hidden_size << ", vocab " << vocab_size
     << (tie_word_embeddings ? ", tied embeddings" : "") << "\n"
-    << "attention         GQA " << num_heads << " heads / " << num_kv_heads << " KV heads, head_dim " << head_dim
-    << (qkv_bias ? ", QKV bias" : "") << (o_bias ? ", O bias" : "") << (qk_norm ? ", QK norm" : "") << "\n"
+    << "attention         ";
+  if (is_mla()) {
+    s << "MLA " << num_heads << " heads, latent " << mla.kv_lora_rank << " + rope " << mla.qk_rope_head_dim
+      << ", qk " << mla.qk_nope_head_dim << "+" << mla.qk_rope_head_dim << ", v " << mla.v_head_dim;
+    if (mla.q_lora_rank) s << ", q latent " << mla.q_lora_rank;
+    if (indexer.enabled()) {
+      int64_t own = 0;
+      for (bool b : indexer.own) own += b;
+      s << "\n                  DSA indexer: top " << indexer.topk << " positions, " << indexer.heads << " heads of "
+        << indexer.head_dim << ", " << own << " of " << num_layers << " layers select (others reuse)";
+    }
+  } else {
+    s << "GQA " << num_heads << " heads / " << num_kv_heads << " KV heads, head_dim " << head_dim;
+  }
+  s << (qkv_bias ? ", QKV bias" : "") << (o_bias ? ", O bias" : "") << (qk_norm ? ", QK norm" : "") << "\n"
     << "rotary            " << rope.type << ", theta " << rope.theta << ", rotary dim " << rope.rotary_dim
     << (rope.interleaved ? " (interleaved)" : "") << "\n";
   if (num_layers - num_moe_layers() > 0) s << "dense FFN         SiLU-gated, intermediate " << intermediate_size << "\n";

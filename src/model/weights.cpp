@@ -106,6 +106,14 @@ void Linear::dequant_row(int64_t row, float* o) const {
   }
 }
 
+std::vector<const Linear*> LayerWeights::attention_linears() const {
+  std::vector<const Linear*> out;
+  for (const Linear* l : {&q, &k, &v, &mla.q_a, &mla.q_b, &mla.q, &mla.kv_a, &mla.kv_b, &mla.indexer.wq_b,
+                          &mla.indexer.wk, &mla.indexer.weights_proj, &o})
+    if (l->data) out.push_back(l);
+  return out;
+}
+
 namespace {
 
 std::string shape_str(std::initializer_list<int64_t> s) {
@@ -284,6 +292,36 @@ class Loader {
   const ModelConfig& cfg_;
 };
 
+// Hub names: q_a_proj, q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_a_layernorm,
+// kv_b_proj, o_proj; GLM-5's indexer.{wq_b, wk, k_norm, weights_proj}. attention_bias covers
+// q_a_proj, kv_a_proj_with_mqa and o_proj.
+void load_mla(Loader& ld, const ModelConfig& c, int64_t layer, const std::string& a, LayerWeights& L) {
+  const MlaConfig& m = c.mla;
+  const int64_t h = c.hidden_size, heads = c.num_heads;
+  MlaWeights& w = L.mla;
+  if (m.q_lora_rank > 0) {
+    w.q_a = ld.linear(a + "q_a_proj", m.q_lora_rank, h, c.qkv_bias);
+    w.q_a_norm = ld.vec(a + "q_a_layernorm.weight", m.q_lora_rank);
+    w.q_b = ld.linear(a + "q_b_proj", heads * m.qk_head_dim(), m.q_lora_rank, false);
+  } else {
+    w.q = ld.linear(a + "q_proj", heads * m.qk_head_dim(), h, false);
+  }
+  w.kv_a = ld.linear(a + "kv_a_proj_with_mqa", m.latent(), h, c.qkv_bias);
+  w.kv_a_norm = ld.vec(a + "kv_a_layernorm.weight", m.kv_lora_rank);
+  w.kv_b = ld.linear(a + "kv_b_proj", heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, false);
+  L.o = ld.linear(a + "o_proj", h, heads * m.v_head_dim, c.o_bias);
+  const IndexerConfig& ix = c.indexer;
+  if (ix.enabled() && ix.own[size_t(layer)]) {
+    w.has_indexer = true;
+    IndexerWeights& x = w.indexer;
+    x.wq_b = ld.linear(a + "indexer.wq_b", ix.heads * ix.head_dim, m.q_lora_rank, false);
+    x.wk = ld.linear(a + "indexer.wk", ix.head_dim, h, false);
+    x.k_norm = ld.vec(a + "indexer.k_norm.weight", ix.head_dim);
+    x.k_norm_bias = ld.vec(a + "indexer.k_norm.bias", ix.head_dim);
+    x.weights_proj = ld.linear(a + "indexer.weights_proj", ix.heads, h, false);
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<Model> load_model(const std::string& path, bool progress) {
@@ -322,10 +360,14 @@ std::unique_ptr<Model> load_model(const std::string& path, bool progress) {
     const std::string p = cat("model.layers.", i, ".");
     L.attn_norm = ld.vec(p + "input_layernorm.weight", h);
     L.ffn_norm = ld.vec(p + "post_attention_layernorm.weight", h);
-    L.q = ld.linear(p + "self_attn.q_proj", c.num_heads * hd, h, c.qkv_bias);
-    L.k = ld.linear(p + "self_attn.k_proj", c.num_kv_heads * hd, h, c.qkv_bias);
-    L.v = ld.linear(p + "self_attn.v_proj", c.num_kv_heads * hd, h, c.qkv_bias);
-    L.o = ld.linear(p + "self_attn.o_proj", h, c.num_heads * hd, c.o_bias);
+    if (c.is_mla()) {
+      load_mla(ld, c, i, p + "self_attn.", L);
+    } else {
+      L.q = ld.linear(p + "self_attn.q_proj", c.num_heads * hd, h, c.qkv_bias);
+      L.k = ld.linear(p + "self_attn.k_proj", c.num_kv_heads * hd, h, c.qkv_bias);
+      L.v = ld.linear(p + "self_attn.v_proj", c.num_kv_heads * hd, h, c.qkv_bias);
+      L.o = ld.linear(p + "self_attn.o_proj", h, c.num_heads * hd, c.o_bias);
+    }
     if (c.qk_norm) {
       L.q_norm = ld.vec(p + "self_attn.q_norm.weight", hd);
       L.k_norm = ld.vec(p + "self_attn.k_norm.weight", hd);
@@ -377,7 +419,7 @@ StorageStats storage_stats(const Model& m) {
   if (w.lm_head.data != w.embed.data) add(w.lm_head, true);
   else s.params_per_token += c.vocab_size * c.hidden_size;
   for (const auto& L : w.layers) {
-    for (const Linear* l : {&L.q, &L.k, &L.v, &L.o}) add(*l, true);
+    for (const Linear* l : L.attention_linears()) add(*l, true);
     if (!L.is_moe) {
       add_ffn(L.mlp, true);
       continue;

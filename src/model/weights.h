@@ -53,13 +53,37 @@ struct MoeWeights {
   GatedFfn shared;
 };
 
+// The DSA indexer of one layer (GLM-5).
+struct IndexerWeights {
+  Linear wq_b;          // [heads * head_dim, q_lora_rank], reads the normed q latent
+  Linear wk;            // [head_dim, hidden]
+  std::vector<float> k_norm, k_norm_bias;  // LayerNorm over head_dim
+  Linear weights_proj;  // [heads, hidden]: each head's weight in the index score
+};
+
+// Multi-head latent attention projections (the output projection is LayerWeights::o).
+struct MlaWeights {
+  Linear q_a, q_b;                 // q_lora_rank > 0: hidden -> q latent -> heads * qk_head_dim
+  std::vector<float> q_a_norm;
+  Linear q;                        // q_lora_rank == 0: hidden -> heads * qk_head_dim
+  Linear kv_a;                     // hidden -> kv_lora_rank + qk_rope_head_dim
+  std::vector<float> kv_a_norm;    // over the kv_lora_rank part
+  Linear kv_b;                     // kv latent -> heads * (qk_nope_head_dim + v_head_dim)
+  bool has_indexer = false;
+  IndexerWeights indexer;
+};
+
 struct LayerWeights {
   std::vector<float> attn_norm, ffn_norm;
-  Linear q, k, v, o;
+  Linear q, k, v, o;  // GQA: all four; MLA: o only (the rest is in mla)
+  MlaWeights mla;
   std::vector<float> q_norm, k_norm;  // QK norm, over head_dim
   bool is_moe = false;
   GatedFfn mlp;  // dense layers
   MoeWeights moe;
+
+  // The attention linears this layer has (GQA q/k/v/o, or the MLA and indexer projections and o).
+  std::vector<const Linear*> attention_linears() const;
 };
 
 struct ModelWeights {

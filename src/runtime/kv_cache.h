@@ -1,5 +1,8 @@
-// Keys and values of the positions a sequence has seen, per layer, in float32.
-// Contiguous per sequence; the paged cache of the server builds on the same interface.
+// What a sequence keeps of the positions it has seen, per layer, in float32. Contiguous per
+// sequence; the paged cache of the server builds on the same interface.
+//   GQA: k and v rows of kv_heads * head_dim.
+//   MLA: k rows hold the compressed latent (kv_lora_rank normed values, then qk_rope_head_dim rotated
+//        key values); there is no v; layers that run a DSA indexer also keep its key (index rows).
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -8,21 +11,38 @@
 
 namespace kestrel {
 
+struct KvLayout {
+  int64_t k_row = 0, v_row = 0;  // floats per position and layer
+  int64_t index_row = 0;         // indexer key floats per position, in the layers with index_layer set
+  std::vector<bool> index_layer;  // empty: no indexer keys anywhere
+};
+
 class KvCache {
  public:
-  KvCache(int64_t layers, int64_t kv_heads, int64_t head_dim, int64_t capacity)
-      : row_(kv_heads * head_dim), capacity_(capacity), k_(size_t(layers)), v_(size_t(layers)) {
-    for (auto& x : k_) x.assign(size_t(capacity * row_), 0.0f);
-    for (auto& x : v_) x.assign(size_t(capacity * row_), 0.0f);
+  KvCache(int64_t layers, const KvLayout& layout, int64_t capacity)
+      : layout_(layout), capacity_(capacity), k_(size_t(layers)), v_(size_t(layers)), index_(size_t(layers)) {
+    for (size_t l = 0; l < size_t(layers); ++l) {
+      k_[l].assign(size_t(capacity * layout.k_row), 0.0f);
+      v_[l].assign(size_t(capacity * layout.v_row), 0.0f);
+      if (l < layout.index_layer.size() && layout.index_layer[l]) index_[l].assign(size_t(capacity * layout.index_row), 0.0f);
+    }
   }
+  // GQA: a key and a value of kv_heads * head_dim per position.
+  KvCache(int64_t layers, int64_t kv_heads, int64_t head_dim, int64_t capacity)
+      : KvCache(layers, KvLayout{kv_heads * head_dim, kv_heads * head_dim, 0, {}}, capacity) {}
 
   int64_t length() const { return length_; }
   int64_t capacity() const { return capacity_; }
-  int64_t row() const { return row_; }  // floats per position: kv_heads * head_dim
-  float* k(int64_t layer, int64_t pos) { return k_[size_t(layer)].data() + pos * row_; }
-  float* v(int64_t layer, int64_t pos) { return v_[size_t(layer)].data() + pos * row_; }
-  const float* k(int64_t layer, int64_t pos) const { return k_[size_t(layer)].data() + pos * row_; }
-  const float* v(int64_t layer, int64_t pos) const { return v_[size_t(layer)].data() + pos * row_; }
+  int64_t row() const { return layout_.k_row; }  // floats per position in k
+  const KvLayout& layout() const { return layout_; }
+  float* k(int64_t layer, int64_t pos) { return k_[size_t(layer)].data() + pos * layout_.k_row; }
+  float* v(int64_t layer, int64_t pos) { return v_[size_t(layer)].data() + pos * layout_.v_row; }
+  float* index_key(int64_t layer, int64_t pos) { return index_[size_t(layer)].data() + pos * layout_.index_row; }
+  const float* k(int64_t layer, int64_t pos) const { return k_[size_t(layer)].data() + pos * layout_.k_row; }
+  const float* v(int64_t layer, int64_t pos) const { return v_[size_t(layer)].data() + pos * layout_.v_row; }
+  const float* index_key(int64_t layer, int64_t pos) const {
+    return index_[size_t(layer)].data() + pos * layout_.index_row;
+  }
 
   // Reserves n more positions; the forward pass fills them and then calls commit.
   void check_room(int64_t n) const {
@@ -33,8 +53,9 @@ class KvCache {
   void clear() { length_ = 0; }
 
  private:
-  int64_t row_, capacity_, length_ = 0;
-  std::vector<std::vector<float>> k_, v_;
+  KvLayout layout_;
+  int64_t capacity_, length_ = 0;
+  std::vector<std::vector<float>> k_, v_, index_;
 };
 
 }  // namespace kestrel

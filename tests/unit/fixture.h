@@ -11,10 +11,26 @@
 
 namespace kestrel::test {
 
-inline const std::vector<std::string>& fixture_names() {
+// Grouped-query attention families.
+inline const std::vector<std::string>& gqa_fixture_names() {
   static const std::vector<std::string> names = {
       "llama-bf16",    "llama-nvfp4",    "qwen2-bf16",    "qwen2-nvfp4",    "qwen3-bf16",   "qwen3-nvfp4-ct",
       "mixtral-bf16",  "mixtral-nvfp4",  "qwen3moe-bf16", "qwen3moe-nvfp4", "glm4moe-bf16", "glm4moe-nvfp4"};
+  return names;
+}
+
+// Multi-head latent attention families (DeepSeek-V3, GLM-5 with its sparse-attention indexer).
+inline const std::vector<std::string>& mla_fixture_names() {
+  static const std::vector<std::string> names = {"deepseekv3-bf16", "deepseekv3-nvfp4", "glm5-bf16", "glm5-nvfp4"};
+  return names;
+}
+
+inline const std::vector<std::string>& fixture_names() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> all = gqa_fixture_names();
+    all.insert(all.end(), mla_fixture_names().begin(), mla_fixture_names().end());
+    return all;
+  }();
   return names;
 }
 

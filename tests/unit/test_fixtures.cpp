@@ -121,5 +121,24 @@ TEST(Fixtures, MutationsAreCaught) {
             }), tol);
 }
 
+TEST(Fixtures, MlaMutationsAreCaught) {
+  const double tol = 1e-3 * 10;
+  // rotate-half vs interleaved pairs on the rope part of q and the shared key
+  EXPECT_GT(worst_error_after("deepseekv3-bf16", [](Model& m) { m.config.rope.interleaved = true; }), tol);
+  EXPECT_GT(worst_error_after("deepseekv3-nvfp4", [](Model& m) { m.config.rope.interleaved = false; }), tol);
+  // YaRN's mscale^2 on the softmax scale
+  EXPECT_GT(worst_error_after("deepseekv3-nvfp4", [](Model& m) {
+              m.config.mla.softmax_scale = 1.0f / std::sqrt(float(m.config.mla.qk_head_dim()));
+            }), tol);
+  // sparse attention really selects: dense attention over every position differs
+  EXPECT_GT(worst_error_after("glm5-bf16", [](Model& m) { m.config.indexer.topk = 1000; }), tol);
+  EXPECT_GT(worst_error_after("glm5-nvfp4", [](Model& m) { m.config.indexer.topk = 1000; }), tol);
+  // the indexer's own rotary interleaving and its key LayerNorm bias
+  EXPECT_GT(worst_error_after("glm5-bf16", [](Model& m) { m.config.indexer.rope_interleaved = false; }), tol);
+  EXPECT_GT(worst_error_after("glm5-bf16", [](Model& m) {
+              for (auto& l : m.weights.layers) std::fill(l.mla.indexer.k_norm_bias.begin(), l.mla.indexer.k_norm_bias.end(), 0.0f);
+            }), tol);
+}
+
 }  // namespace
 }  // namespace kestrel

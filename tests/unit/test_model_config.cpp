@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "common/error.h"
+#include "formats/json_file.h"
 #include "model/model_config.h"
 
 namespace kestrel {
@@ -157,6 +158,104 @@ TEST(ModelConfig, BadInputNamesTheField) {
   j["num_experts_per_tok"] = 8;
   j["moe_intermediate_size"] = 8;
   EXPECT_NE(error_of(j).find("exceeds"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kestrel
+
+namespace kestrel {
+namespace {
+
+nlohmann::json mla_base(const std::string& arch) {
+  auto j = base(arch);
+  j.update({{"kv_lora_rank", 32}, {"q_lora_rank", 24}, {"qk_nope_head_dim", 16}, {"qk_rope_head_dim", 8},
+            {"v_head_dim", 16}, {"n_routed_experts", 8}, {"num_experts_per_tok", 2}, {"moe_intermediate_size", 32},
+            {"first_k_dense_replace", 1}});
+  return j;
+}
+
+TEST(ModelConfig, DeepseekV3Mla) {
+  auto j = mla_base("DeepseekV3ForCausalLM");
+  j["q_lora_rank"] = nullptr;  // DeepSeek-V2-Lite style
+  j["rope_scaling"] = {{"type", "yarn"}, {"factor", 40.0}, {"original_max_position_embeddings", 64},
+                       {"mscale", 1.0}, {"mscale_all_dim", 1.0}};
+  ModelConfig m = parse_model_config(j, "c");
+  EXPECT_TRUE(m.is_mla());
+  EXPECT_EQ(m.mla.q_lora_rank, 0);
+  EXPECT_EQ(m.mla.latent(), 40);
+  EXPECT_EQ(m.head_dim, 24);
+  EXPECT_EQ(m.rope.rotary_dim, 8);
+  EXPECT_TRUE(m.rope.interleaved);  // rope_interleave defaults to true
+  EXPECT_FALSE(m.indexer.enabled());
+  EXPECT_EQ(m.moe_layer, (std::vector<bool>{false, true, true, true}));
+  // DeepSeek-V3's softmax scale: (0.1 * ln 40 + 1)^2 / sqrt(24)
+  const double mscale = 0.1 * std::log(40.0) + 1.0;
+  EXPECT_NEAR(m.mla.softmax_scale, mscale * mscale / std::sqrt(24.0), 1e-6);
+}
+
+TEST(ModelConfig, GlmMoeDsaIndexerLayers) {
+  auto j = mla_base("GlmMoeDsaForCausalLM");
+  j.update({{"index_topk", 16}, {"index_n_heads", 2}, {"index_head_dim", 16}});
+  ModelConfig m = parse_model_config(j, "c");
+  EXPECT_TRUE(m.indexer.enabled());
+  EXPECT_EQ(m.indexer.own, (std::vector<bool>{true, true, true, true}));
+  j["indexer_types"] = {"full", "shared", "shared", "full"};
+  EXPECT_EQ(parse_model_config(j, "c").indexer.own, (std::vector<bool>{true, false, false, true}));
+  j.erase("indexer_types");
+  j["index_topk_pattern"] = "FSFS";
+  EXPECT_EQ(parse_model_config(j, "c").indexer.own, (std::vector<bool>{true, false, true, false}));
+  j.erase("index_topk_pattern");
+  j["index_topk_freq"] = 2;  // transformers' schedule: layer i selects when max(i - 1, 0) % 2 == 0
+  EXPECT_EQ(parse_model_config(j, "c").indexer.own, (std::vector<bool>{true, true, false, true}));
+  j.erase("index_topk_freq");
+  j["mlp_layer_types"] = {"dense", "dense", "sparse", "sparse"};
+  EXPECT_EQ(parse_model_config(j, "c").moe_layer, (std::vector<bool>{false, false, true, true}));
+}
+
+// The hub configs of GLM-5 and DeepSeek-V3 (as shipped with their NVFP4 checkpoints).
+TEST(ModelConfig, HubMlaConfigs) {
+  const std::string dir = std::string(KESTREL_FIXTURES) + "/../../configs/";
+  ModelConfig g = parse_model_config_and_quant(read_json_file(dir + "glm-5-nvfp4.json"), dir + "glm-5-nvfp4.json");
+  EXPECT_EQ(g.mla.q_lora_rank, 2048);
+  EXPECT_EQ(g.mla.latent(), 576);
+  EXPECT_EQ(g.mla.qk_head_dim(), 256);
+  EXPECT_NEAR(g.mla.softmax_scale, 1.0 / 16.0, 1e-7);
+  EXPECT_EQ(g.indexer.topk, 2048);
+  EXPECT_EQ(g.indexer.own, std::vector<bool>(78, true));
+  EXPECT_EQ(g.num_moe_layers(), 75);
+  EXPECT_TRUE(g.quant.is_quantized());
+  ModelConfig d = parse_model_config_and_quant(read_json_file(dir + "deepseek-v3-nvfp4.json"), dir + "deepseek-v3-nvfp4.json");
+  EXPECT_EQ(d.mla.q_lora_rank, 1536);
+  EXPECT_EQ(d.rope.type, "yarn");
+  EXPECT_FALSE(d.indexer.enabled());
+  EXPECT_EQ(d.n_group, 8);
+  const double mscale = 0.1 * std::log(40.0) + 1.0;
+  EXPECT_NEAR(d.mla.softmax_scale, mscale * mscale / std::sqrt(192.0), 1e-7);
+}
+
+TEST(ModelConfig, MlaBadInputNamesTheField) {
+  auto j = mla_base("DeepseekV3ForCausalLM");
+  j.erase("kv_lora_rank");
+  EXPECT_NE(error_of(j).find("kv_lora_rank"), std::string::npos) << error_of(j);
+  j = mla_base("DeepseekV3ForCausalLM");
+  j["qk_rope_head_dim"] = 0;
+  EXPECT_NE(error_of(j).find("qk_rope_head_dim"), std::string::npos) << error_of(j);
+  j = mla_base("DeepseekV3ForCausalLM");
+  j["scoring_func"] = "softmax";
+  EXPECT_NE(error_of(j).find("scoring_func"), std::string::npos) << error_of(j);
+  j = mla_base("GlmMoeDsaForCausalLM");
+  j["indexer_types"] = {"full", "shared"};
+  EXPECT_NE(error_of(j).find("'indexer_types' has 2 entries for 4 layers"), std::string::npos) << error_of(j);
+  j["indexer_types"] = {"shared", "full", "full", "full"};
+  EXPECT_NE(error_of(j).find("layer 0 cannot reuse"), std::string::npos) << error_of(j);
+  j["indexer_types"] = {"full", "sometimes", "full", "full"};
+  EXPECT_NE(error_of(j).find("indexer_types[1] is 'sometimes'"), std::string::npos) << error_of(j);
+  j = mla_base("GlmMoeDsaForCausalLM");
+  j["q_lora_rank"] = nullptr;
+  EXPECT_NE(error_of(j).find("needs q_lora_rank"), std::string::npos) << error_of(j);
+  j = mla_base("GlmMoeDsaForCausalLM");
+  j["mlp_layer_types"] = {"dense", "sparse", "moe", "sparse"};
+  EXPECT_NE(error_of(j).find("mlp_layer_types[2]"), std::string::npos) << error_of(j);
 }
 
 }  // namespace

@@ -25,10 +25,15 @@ class Forward {
   void run(std::span<const int32_t> tokens, KvCache& cache, float* logits);
 
  private:
+  // GQA attention block of one layer: appends the tokens' keys and values, writes o_proj(attention).
+  void gqa_attention(const LayerWeights& L, int64_t layer, const float* xn, int64_t T, int64_t start, KvCache& cache,
+                     float* out);
+
   const Model& model_;
   const ModelConfig& c_;
   ThreadPool& pool_;
   RopeTables rope_;
+  RopeTables index_rope_;  // the DSA indexer's rotary (its own interleaving)
 };
 
 }  // namespace kestrel::cpu

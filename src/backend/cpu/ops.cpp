@@ -16,6 +16,19 @@ void rms_norm(const float* x, const float* w, int64_t rows, int64_t n, float eps
   }
 }
 
+void layer_norm(const float* x, const float* w, const float* b, int64_t rows, int64_t n, float eps, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    float* o = out + r * n;
+    double sum = 0, ss = 0;
+    for (int64_t i = 0; i < n; ++i) sum += xr[i];
+    const double mean = sum / double(n);
+    for (int64_t i = 0; i < n; ++i) ss += (xr[i] - mean) * (xr[i] - mean);
+    const float inv = 1.0f / std::sqrt(float(ss / double(n)) + eps), m = float(mean);
+    for (int64_t i = 0; i < n; ++i) o[i] = (xr[i] - m) * inv * w[i] + b[i];
+  }
+}
+
 void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i];

@@ -10,6 +10,9 @@ namespace kestrel::cpu {
 // out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i], for `rows` rows of length n. In place allowed.
 void rms_norm(const float* x, const float* w, int64_t rows, int64_t n, float eps, float* out);
 
+// out = (x - mean(x)) / sqrt(var(x) + eps) * w + b per row of length n (LayerNorm). In place allowed.
+void layer_norm(const float* x, const float* w, const float* b, int64_t rows, int64_t n, float eps, float* out);
+
 // out[i] = silu(gate[i]) * up[i]
 void silu_mul(const float* gate, const float* up, int64_t n, float* out);
 

@@ -129,7 +129,17 @@ DLinear DeviceModel::make_random(int out, int in, bool nvfp4, uint64_t seed) {
   return d;
 }
 
+namespace {
+
+void check_attention_supported(const ModelConfig& c) {
+  if (c.is_mla())
+    fail(c.source, ": ", c.architecture, " uses multi-head latent attention, which the CUDA backend does not run yet");
+}
+
+}  // namespace
+
 std::unique_ptr<DeviceModel> DeviceModel::upload(const Model& m) {
+  check_attention_supported(m.config);
   std::unique_ptr<DeviceModel> d(new DeviceModel(m.config));
   const ModelConfig& c = m.config;
   const ModelWeights& w = m.weights;
@@ -181,6 +191,7 @@ std::unique_ptr<DeviceModel> DeviceModel::upload(const Model& m) {
 }
 
 std::unique_ptr<DeviceModel> DeviceModel::random(const ModelConfig& c, uint64_t seed) {
+  check_attention_supported(c);
   std::unique_ptr<DeviceModel> d(new DeviceModel(c));
   const int H = int(c.hidden_size), hd = int(c.head_dim);
   uint64_t s = seed;
