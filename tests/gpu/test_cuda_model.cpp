@@ -161,20 +161,7 @@ TEST_P(CudaModelTest, BatchAndGraphAgree) {
   EXPECT_EQ(got, want);
 }
 
-// MLA families run on the CPU only so far: uploading one fails with a message naming the reason.
-TEST(CudaModel, MlaModelsAreRefusedClearly) {
-  for (const auto& name : test::mla_fixture_names()) {
-    auto model = load_model(test::fixture_dir(name));
-    try {
-      cuda::DeviceModel::upload(*model);
-      ADD_FAILURE() << name << ": upload succeeded";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("multi-head latent attention"), std::string::npos) << e.what();
-    }
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(Families, CudaModelTest, ::testing::ValuesIn(test::gqa_fixture_names()), [](const auto& info) {
+INSTANTIATE_TEST_SUITE_P(Families, CudaModelTest, ::testing::ValuesIn(test::fixture_names()), [](const auto& info) {
   std::string n = info.param;
   for (char& ch : n)
     if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';

@@ -3,18 +3,22 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <numeric>
 #include <random>
 
 #include "backend/cpu/attention.h"
+#include "backend/cpu/mla.h"
 #include "backend/cpu/linear.h"
 #include "backend/cpu/moe.h"
 #include "backend/cpu/ops.h"
 #include "backend/cuda/attention.h"
 #include "backend/cuda/gemv.h"
 #include "backend/cuda/misc.h"
+#include "backend/cuda/mla.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/norm_rope.h"
 #include "common/numeric.h"
+#include "../unit/fixture.h"
 #include "device_buffer.h"
 
 namespace kestrel {
@@ -369,6 +373,144 @@ TEST(CudaOps, EmbedAndArgmax) {
   next.poison();
   cuda::launch_argmax(dl.get(), 2, V, next.get(), as, nullptr);
   EXPECT_EQ(next.download(), (std::vector<int32_t>{17, 4321}));
+}
+
+// DSA top-k: the device selection equals a CPU sort by (score desc, position asc), kept in
+// position order, on rows shorter and longer than top-k, with many exact ties (quantized scores,
+// zeros as relu makes them) and negative scores.
+TEST(CudaOps, TopkSelectMatchesCpu) {
+  std::mt19937 rng(23);
+  const int ctx = 5000, topk = 2048;
+  const std::vector<int32_t> positions = {10, 2047, 2048, 4999, 3000};
+  const int B = int(positions.size());
+  std::vector<float> scores(size_t(B) * ctx);
+  std::uniform_int_distribution<int> level(-40, 40);
+  for (size_t i = 0; i < scores.size(); ++i) scores[i] = i % 3 == 0 ? 0.0f : float(level(rng)) * 0.25f;
+  DeviceBuffer<float> ds(scores);
+  DeviceBuffer<int32_t> dp(positions), sel(static_cast<size_t>(B) * topk), cnt(static_cast<size_t>(B));
+  sel.poison();
+  cuda::launch_topk_select(ds.get(), B, ctx, topk, dp.get(), sel.get(), cnt.get(), nullptr);
+  const auto got = sel.download();
+  const auto got_count = cnt.download();
+  for (int b = 0; b < B; ++b) {
+    const int len = positions[size_t(b)] + 1, n = std::min(len, topk);
+    std::vector<int32_t> idx(static_cast<size_t>(len));
+    std::iota(idx.begin(), idx.end(), 0);
+    const float* sc = scores.data() + size_t(b) * ctx;
+    std::stable_sort(idx.begin(), idx.end(), [&](int32_t x, int32_t y) { return sc[x] > sc[y]; });
+    idx.resize(size_t(n));
+    std::sort(idx.begin(), idx.end());
+    ASSERT_EQ(got_count[size_t(b)], n) << "row " << b;
+    EXPECT_EQ(std::vector<int32_t>(got.begin() + size_t(b) * topk, got.begin() + size_t(b) * topk + n), idx)
+        << "row " << b;
+  }
+}
+
+// Absorbed MLA decode (latent store, query absorption, attention over the latent rows, value
+// absorption) against the CPU's expanded form, dense and with a position selection.
+TEST(CudaOps, MlaAttentionMatchesCpu) {
+  std::mt19937 rng(29);
+  ModelConfig c;
+  c.num_heads = 4;
+  c.num_kv_heads = 4;
+  c.mla = MlaConfig{0, 64, 32, 16, 24, 0.1f, 1e-6f};
+  c.attention = AttentionKind::Mla;
+  c.rope.rotary_dim = 16;
+  c.rope.interleaved = true;
+  c.rms_norm_eps = 1e-5f;
+  const MlaConfig& m = c.mla;
+  const int heads = 4, lat = int(m.latent()), qk = int(m.qk_head_dim()), ctx = 40;
+  RandomLinear kv_b(heads * int(m.qk_nope_head_dim + m.v_head_dim), int(m.kv_lora_rank), WeightFormat::BF16, rng);
+  const std::vector<float> norm = test::random_floats(size_t(m.kv_lora_rank), rng);
+  const std::vector<float> inv_freq = c.rope.inv_freq();
+  DeviceBuffer<float> d_norm(norm), d_inv(inv_freq);
+  cuda::RopeArgs rope;
+  rope.inv_freq = d_inv.get();
+  rope.rotary_dim = 16;
+  rope.interleaved = 1;
+  cuda::MlaShape ms{heads, int(m.qk_nope_head_dim), int(m.qk_rope_head_dim), int(m.v_head_dim), int(m.kv_lora_rank)};
+
+  // Two sequences at positions 30 and 37, each with its own cache filled by the kernels.
+  const std::vector<int32_t> pos = {30, 37};
+  const int B = 2;
+  DeviceBuffer<float> cache(size_t(B) * ctx * lat);
+  cuda::KvLayer kvl{cache.get(), cache.get(), int64_t(ctx) * lat};
+  std::vector<std::vector<float>> host_lat(B, std::vector<float>(size_t(ctx) * lat));
+  cpu::RopeTables tables(c.rope);
+  for (int p = 0; p <= 37; ++p) {
+    auto kv = test::random_floats(size_t(B) * lat, rng);
+    std::vector<int32_t> at = {std::min(p, 30), p};
+    DeviceBuffer<float> dkv(kv);
+    DeviceBuffer<int32_t> dat(at);
+    cuda::launch_mla_latent_store(dkv.get(), B, ms, d_norm.get(), 1e-6f, rope, dat.get(), kvl, nullptr);
+    for (int b = 0; b < B; ++b) {
+      float* row = host_lat[size_t(b)].data() + size_t(at[size_t(b)]) * lat;
+      std::copy_n(kv.data() + size_t(b) * lat, lat, row);
+      cpu::rms_norm(row, norm.data(), 1, m.kv_lora_rank, 1e-6f, row);
+      cpu::apply_rope(row + m.kv_lora_rank, 1, m.qk_rope_head_dim, at[size_t(b)], tables);
+    }
+  }
+  const auto dev_cache = cache.download();
+  for (int b = 0; b < B; ++b)
+    EXPECT_LT(test::rel_l2(dev_cache.data() + size_t(b) * ctx * lat, host_lat[size_t(b)].data(), (pos[size_t(b)] + 1) * lat),
+              kTol);
+
+  // Queries and the expected output: keys and values expanded from the latents, softmax attention.
+  const auto q = test::random_floats(size_t(B) * heads * qk, rng);
+  for (bool sparse : {false, true}) {
+    std::vector<std::vector<int32_t>> chosen(B);
+    for (int b = 0; b < B; ++b)
+      for (int j = 0; j <= pos[size_t(b)]; ++j)
+        if (!sparse || j % 3 != 1) chosen[size_t(b)].push_back(j);
+    std::vector<float> want(size_t(B) * heads * m.v_head_dim);
+    for (int b = 0; b < B; ++b) {
+      const int len = pos[size_t(b)] + 1;
+      std::vector<float> lat_rows(size_t(len) * m.kv_lora_rank), kvb(size_t(len) * kv_b.host.out);
+      for (int j = 0; j < len; ++j)
+        std::copy_n(host_lat[size_t(b)].data() + size_t(j) * lat, m.kv_lora_rank, lat_rows.data() + size_t(j) * m.kv_lora_rank);
+      ThreadPool pool(1);
+      cpu::linear(kv_b.host, lat_rows.data(), len, kvb.data(), pool);
+      for (int h = 0; h < heads; ++h) {
+        std::vector<float> qh(q.begin() + (size_t(b) * heads + h) * qk, q.begin() + (size_t(b) * heads + h + 1) * qk);
+        cpu::apply_rope(qh.data() + m.qk_nope_head_dim, 1, m.qk_rope_head_dim, pos[size_t(b)], tables);
+        std::vector<float> p;
+        for (int j : chosen[size_t(b)]) {
+          const float* kn = kvb.data() + size_t(j) * kv_b.host.out + size_t(h) * (m.qk_nope_head_dim + m.v_head_dim);
+          p.push_back((cpu::dot(qh.data(), kn, m.qk_nope_head_dim) +
+                       cpu::dot(qh.data() + m.qk_nope_head_dim,
+                                host_lat[size_t(b)].data() + size_t(j) * lat + m.kv_lora_rank, m.qk_rope_head_dim)) *
+                      m.softmax_scale);
+        }
+        cpu::softmax(p.data(), int64_t(p.size()));
+        float* o = want.data() + (size_t(b) * heads + h) * m.v_head_dim;
+        for (size_t i = 0; i < p.size(); ++i) {
+          const float* v = kvb.data() + size_t(chosen[size_t(b)][i]) * kv_b.host.out +
+                           size_t(h) * (m.qk_nope_head_dim + m.v_head_dim) + m.qk_nope_head_dim;
+          for (int e = 0; e < m.v_head_dim; ++e) o[e] += p[i] * v[e];
+        }
+      }
+    }
+    DeviceBuffer<float> dq(q), dqa(size_t(B) * heads * lat), datt(size_t(B) * heads * lat),
+        dout(size_t(B) * heads * m.v_head_dim);
+    DeviceBuffer<int32_t> dpos(pos);
+    const cuda::AttentionSplit split = cuda::attention_split(ctx);
+    DeviceBuffer<float> scratch(cuda::attention_scratch_floats(B, heads, lat, split));
+    std::vector<int32_t> sel(size_t(B) * ctx, 0), cnt(B);
+    for (int b = 0; b < B; ++b) {
+      std::copy(chosen[size_t(b)].begin(), chosen[size_t(b)].end(), sel.begin() + size_t(b) * ctx);
+      cnt[size_t(b)] = int32_t(chosen[size_t(b)].size());
+    }
+    DeviceBuffer<int32_t> dsel(sel), dcnt(cnt);
+    cuda::AttentionSelect select;
+    if (sparse) select = {dsel.get(), dcnt.get(), ctx};
+    dout.poison();
+    cuda::launch_mla_query(dq.get(), B, ms, kv_b.dev, rope, dpos.get(), dqa.get(), nullptr);
+    cuda::launch_decode_attention(dqa.get(), B, heads, 1, lat, m.softmax_scale, dpos.get(), kvl, split, scratch.get(),
+                                  datt.get(), nullptr, select);
+    cuda::launch_mla_output(datt.get(), B, ms, kv_b.dev, dout.get(), nullptr);
+    const auto got = dout.download();
+    EXPECT_LT(test::rel_l2(got.data(), want.data(), int64_t(want.size())), 1e-4) << (sparse ? "sparse" : "dense");
+  }
 }
 
 }  // namespace

@@ -8,22 +8,24 @@ namespace kestrel::cuda {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kMaxHd = 256;
-constexpr int kUnroll = 4;  // positions whose keys are loaded before the first is used
+constexpr int kMaxHd = 576;  // MLA: kv_lora_rank 512 + rope 64
 
 // Split-K decode attention (flash-decoding): block (head, sequence, split) covers positions
 // [split * chunk, (split + 1) * chunk) of that sequence; each warp keeps an online softmax over
 // its share and the block writes one partial (max, sum, weighted values) per split.
-template <int kPer>
+// kUnroll: positions whose keys are loaded before the first is used.
+template <int kPer, int kUnroll>
 __global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const float* __restrict__ q, int nq, int nkv,
                                                                        int hd, float scale, int chunk,
                                                                        const int32_t* __restrict__ positions,
-                                                                       KvLayer cache, float* __restrict__ part) {
+                                                                       KvLayer cache, AttentionSelect select,
+                                                                       float* __restrict__ part) {
   __shared__ float s_m[kWarps], s_l[kWarps], s_acc[kWarps][kPer * 32];
   const int h = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   pdl_enter();
-  const int kvh = h / (nq / nkv), len = positions[b] + 1;
+  const int kvh = h / (nq / nkv), len = select.index ? select.count[b] : positions[b] + 1;
+  const int32_t* chosen = select.index ? select.index + size_t(b) * select.stride : nullptr;
   const int begin = split * chunk, end = min(len, begin + chunk);
   const float* qv = q + (size_t(b) * nq + h) * hd;
   float qr[kPer], acc[kPer];
@@ -41,11 +43,12 @@ __global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const fl
     float kr[kUnroll][kPer], vr[kUnroll][kPer];
     #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int p = p0 + u;
+      const int i0 = p0 + u;
+      const size_t p = i0 < end ? size_t(chosen ? chosen[i0] : i0) : 0;
       #pragma unroll
       for (int i = 0; i < kPer; ++i) {
         const int d = lane + 32 * i;
-        const bool ok = p < end && d < hd;
+        const bool ok = i0 < end && d < hd;
         kr[u][i] = ok ? kbase[p * stride + d] : 0.0f;
         vr[u][i] = ok ? vbase[p * stride + d] : 0.0f;
       }
@@ -137,21 +140,17 @@ AttentionSplit attention_split(int max_context) {
 
 void launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, float scale,
                              const int32_t* positions, KvLayer cache, const AttentionSplit& split, float* scratch,
-                             float* out, cudaStream_t s) {
+                             float* out, cudaStream_t s, AttentionSelect select) {
   if (hd > kMaxHd) fail("CUDA decode attention supports head_dim up to ", kMaxHd, ", got ", hd);
   const dim3 grid(unsigned(nq), unsigned(batch), unsigned(split.splits));
-  if (hd <= 32)
-    launch(attention_partial_kernel<1>, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions,
-           cache, scratch);
-  else if (hd <= 64)
-    launch(attention_partial_kernel<2>, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions,
-           cache, scratch);
-  else if (hd <= 128)
-    launch(attention_partial_kernel<4>, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions,
-           cache, scratch);
-  else
-    launch(attention_partial_kernel<8>, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions,
-           cache, scratch);
+  auto go = [&](auto kernel) {
+    launch(kernel, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions, cache, select, scratch);
+  };
+  if (hd <= 32) go(attention_partial_kernel<1, 4>);
+  else if (hd <= 64) go(attention_partial_kernel<2, 4>);
+  else if (hd <= 128) go(attention_partial_kernel<4, 4>);
+  else if (hd <= 256) go(attention_partial_kernel<8, 4>);
+  else go(attention_partial_kernel<18, 1>);
   KESTREL_CUDA_LAUNCHED();
   launch(attention_combine_kernel, dim3(unsigned(nq), unsigned(batch)), dim3(128), 0, s, scratch, nq, hd, split.splits,
          out);

@@ -6,6 +6,7 @@
 #include "backend/cuda/decoder.h"
 #include "backend/cuda/gemv.h"
 #include "backend/cuda/misc.h"
+#include "backend/cuda/mla.h"
 #include "backend/cuda/moe.h"
 #include "plan/decode_cost.h"
 
@@ -38,17 +39,41 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
   const size_t nq = size_t(c.num_heads), nkv = size_t(c.num_kv_heads);
   x_ = buffer<float>(B * H);
   xn_ = buffer<float>(B * H);
-  q_ = buffer<float>(B * nq * hd);
-  k_ = buffer<float>(B * nkv * hd);
-  v_ = buffer<float>(B * nkv * hd);
-  att_ = buffer<float>(B * nq * hd);
   split_ = attention_split(max_context);
-  att_scratch_ = buffer<float>(attention_scratch_floats(max_batch, int(nq), int(hd), split_));
+  const size_t seqs = one_sequence ? 1 : B, ctx = size_t(max_context), layers = size_t(c.num_layers);
+  if (c.is_mla()) {
+    const MlaConfig& m = c.mla;
+    const size_t lat = size_t(m.latent());
+    mla_.q_latent = buffer<float>(B * size_t(std::max<int64_t>(m.q_lora_rank, 1)));
+    mla_.kv_latent = buffer<float>(B * lat);
+    mla_.q = buffer<float>(B * nq * size_t(m.qk_head_dim()));
+    mla_.q_abs = buffer<float>(B * nq * lat);
+    mla_.att = buffer<float>(B * nq * lat);
+    mla_.v = buffer<float>(B * nq * size_t(m.v_head_dim));
+    att_scratch_ = buffer<float>(attention_scratch_floats(max_batch, int(nq), int(lat), split_));
+    kv_k_ = buffer<float>(seqs * layers * ctx * lat);  // the latent rows; v reads the same rows
+    kv_v_ = kv_k_;
+    if (c.indexer.enabled()) {
+      const IndexerConfig& ix = c.indexer;
+      mla_.iq = buffer<float>(B * size_t(ix.heads * ix.head_dim));
+      mla_.ik = buffer<float>(B * size_t(ix.head_dim));
+      mla_.iw = buffer<float>(B * size_t(ix.heads));
+      mla_.scores = buffer<float>(B * ctx);
+      mla_.index_cache = buffer<float>(seqs * layers * ctx * size_t(ix.head_dim));
+      mla_.select = buffer<int32_t>(B * size_t(ix.topk));
+      mla_.select_count = buffer<int32_t>(B);
+    }
+  } else {
+    q_ = buffer<float>(B * nq * hd);
+    k_ = buffer<float>(B * nkv * hd);
+    v_ = buffer<float>(B * nkv * hd);
+    att_ = buffer<float>(B * nq * hd);
+    att_scratch_ = buffer<float>(attention_scratch_floats(max_batch, int(nq), int(hd), split_));
+    kv_k_ = buffer<float>(seqs * layers * ctx * nkv * hd);
+    kv_v_ = buffer<float>(seqs * layers * ctx * nkv * hd);
+  }
   act_ = buffer<float>(B * size_t(std::max<int64_t>(c.intermediate_size, 1)));
   logits_ = buffer<float>(B * size_t(c.vocab_size));
-  const size_t kv = (one_sequence ? 1 : B) * size_t(c.num_layers) * size_t(max_context) * nkv * hd;
-  kv_k_ = buffer<float>(kv);
-  kv_v_ = buffer<float>(kv);
   tokens_ = buffer<int32_t>(B);
   positions_ = buffer<int32_t>(B);
   next_ = buffer<int32_t>(B);
@@ -74,12 +99,93 @@ Decoder::~Decoder() {
 
 KvLayer Decoder::kv(int layer) const {
   const ModelConfig& c = m_.config();
-  const int64_t per_layer = int64_t(max_context_) * c.num_kv_heads * c.head_dim;
+  const int64_t row = c.is_mla() ? c.mla.latent() : c.num_kv_heads * c.head_dim;
+  const int64_t per_layer = int64_t(max_context_) * row;
   KvLayer l;
   l.k = kv_k_ + layer * per_layer;
   l.v = kv_v_ + layer * per_layer;
   l.seq_stride = one_sequence_ ? 0 : per_layer * c.num_layers;
   return l;
+}
+
+KvLayer Decoder::index_kv(int layer) const {
+  const ModelConfig& c = m_.config();
+  const int64_t per_layer = int64_t(max_context_) * c.indexer.head_dim;
+  KvLayer l;
+  l.k = l.v = mla_.index_cache + layer * per_layer;
+  l.seq_stride = one_sequence_ ? 0 : per_layer * c.num_layers;
+  return l;
+}
+
+template <typename Op>
+void Decoder::mla_attention(const DLayer& L, int layer, int batch, cudaStream_t s, Op& op) {
+  const ModelConfig& c = m_.config();
+  const MlaConfig& mc = c.mla;
+  const DMla& a = L.mla;
+  MlaShape m;
+  m.heads = int(c.num_heads);
+  m.nope = int(mc.qk_nope_head_dim);
+  m.rope = int(mc.qk_rope_head_dim);
+  m.v = int(mc.v_head_dim);
+  m.rank = int(mc.kv_lora_rank);
+  RopeArgs rope;
+  rope.inv_freq = m_.rope_inv_freq();
+  rope.scaling = c.rope.attention_scaling();
+  rope.rotary_dim = m.rope;
+  rope.interleaved = c.rope.interleaved;
+  const double act = 4.0 * batch;
+  const bool lora = mc.q_lora_rank > 0;
+  {
+    const LinearJob jobs[2] = {{lora ? a.q_a : a.q, lora ? mla_.q_latent : mla_.q}, {a.kv_a, mla_.kv_latent}};
+    launch_linear(jobs, 2, xn_, batch, false, s);
+    op("mla_q_kv_a", 1, double(jobs[0].w.bytes() + a.kv_a.bytes()));
+  }
+  if (lora) {
+    launch_rms_norm(mla_.q_latent, a.q_a_norm, batch, int(mc.q_lora_rank), mc.latent_norm_eps, mla_.q_latent, s);
+    op("rms_norm", 1, 2 * act * double(mc.q_lora_rank));
+    const LinearJob jobs[1] = {{a.q_b, mla_.q}};
+    launch_linear(jobs, 1, mla_.q_latent, batch, false, s);
+    op("mla_q_b", 1, double(a.q_b.bytes()));
+  }
+  const KvLayer kvl = kv(layer);
+  launch_mla_latent_store(mla_.kv_latent, batch, m, a.kv_a_norm, mc.latent_norm_eps, rope, positions_, kvl, s);
+  op("mla_latent_store", 1, 2 * act * m.latent());
+  launch_mla_query(mla_.q, batch, m, a.kv_b, rope, positions_, mla_.q_abs, s);
+  op("mla_absorb_q", 1, double(a.kv_b.bytes()) * m.nope / (m.nope + m.v));
+  AttentionSelect select;
+  if (c.indexer.enabled()) {
+    const IndexerConfig& ix = c.indexer;
+    if (a.has_indexer) {
+      IndexerShape x;
+      x.heads = int(ix.heads);
+      x.dim = int(ix.head_dim);
+      x.rope = m.rope;
+      x.topk = int(ix.topk);
+      RopeArgs irope = rope;
+      irope.interleaved = ix.rope_interleaved;
+      const LinearJob kw[2] = {{a.index_wk, mla_.ik}, {a.index_weights, mla_.iw}};
+      launch_linear(kw, 2, xn_, batch, false, s);
+      const LinearJob qj[1] = {{a.index_wq_b, mla_.iq}};
+      launch_linear(qj, 1, mla_.q_latent, batch, false, s);
+      op("index_proj", 2, double(a.index_wk.bytes() + a.index_weights.bytes() + a.index_wq_b.bytes()));
+      const KvLayer ikv = index_kv(layer);
+      launch_index_prep(mla_.iq, mla_.ik, batch, x, a.index_norm_w, a.index_norm_b, irope, positions_, ikv, s);
+      launch_index_scores(mla_.iq, mla_.iw, batch, x, positions_, ikv, max_context_, mla_.scores, s);
+      launch_topk_select(mla_.scores, batch, max_context_, x.topk, positions_, mla_.select, mla_.select_count, s);
+      op("index_select", 3, 0.0);  // index keys read depend on the positions: the caller adds them
+    }
+    select.index = mla_.select;
+    select.count = mla_.select_count;
+    select.stride = int(ix.topk);
+  }
+  launch_decode_attention(mla_.q_abs, batch, m.heads, 1, m.latent(), mc.softmax_scale, positions_, kvl, split_,
+                          att_scratch_, mla_.att, s, select);
+  op("attention", 2, 0.0);  // KV bytes depend on the positions: the caller adds them
+  launch_mla_output(mla_.att, batch, m, a.kv_b, mla_.v, s);
+  op("mla_absorb_v", 1, double(a.kv_b.bytes()) * m.v / (m.nope + m.v));
+  const LinearJob o[1] = {{L.o, x_}};
+  launch_linear(o, 1, mla_.v, batch, true, s);
+  op("o_proj", 1, double(L.o.bytes()));
 }
 
 void Decoder::step(int batch, cudaStream_t s, OpTimer* timer) {
@@ -105,19 +211,23 @@ void Decoder::step(int batch, cudaStream_t s, OpTimer* timer) {
   const double expected_experts = expected_distinct_experts(c, batch);
   for (size_t l = 0; l < m_.layers().size(); ++l) {
     const DLayer& L = m_.layers()[l];
-    const KvLayer kvl = kv(int(l));
     launch_rms_norm(x_, L.attn_norm, batch, H, eps, xn_, s);
     op("rms_norm", 1, 2 * act * H);
-    const LinearJob qkv[3] = {{L.q, q_}, {L.k, k_}, {L.v, v_}};
-    launch_linear(qkv, 3, xn_, batch, false, s);
-    op("qkv_proj", 1, double(L.q.bytes() + L.k.bytes() + L.v.bytes()));
-    launch_qk_rope_store(q_, k_, v_, batch, nq, nkv, hd, L.q_norm, L.k_norm, eps, rope, positions_, kvl, s);
-    op("qk_norm_rope", 1, act * (nq + 2 * nkv) * hd);
-    launch_decode_attention(q_, batch, nq, nkv, hd, scale, positions_, kvl, split_, att_scratch_, att_, s);
-    op("attention", 2, 0.0);  // KV bytes depend on the positions: the caller adds them
-    const LinearJob o[1] = {{L.o, x_}};
-    launch_linear(o, 1, att_, batch, true, s);
-    op("o_proj", 1, double(L.o.bytes()));
+    if (c.is_mla()) {
+      mla_attention(L, int(l), batch, s, op);
+    } else {
+      const KvLayer kvl = kv(int(l));
+      const LinearJob qkv[3] = {{L.q, q_}, {L.k, k_}, {L.v, v_}};
+      launch_linear(qkv, 3, xn_, batch, false, s);
+      op("qkv_proj", 1, double(L.q.bytes() + L.k.bytes() + L.v.bytes()));
+      launch_qk_rope_store(q_, k_, v_, batch, nq, nkv, hd, L.q_norm, L.k_norm, eps, rope, positions_, kvl, s);
+      op("qk_norm_rope", 1, act * (nq + 2 * nkv) * hd);
+      launch_decode_attention(q_, batch, nq, nkv, hd, scale, positions_, kvl, split_, att_scratch_, att_, s);
+      op("attention", 2, 0.0);  // KV bytes depend on the positions: the caller adds them
+      const LinearJob o[1] = {{L.o, x_}};
+      launch_linear(o, 1, att_, batch, true, s);
+      op("o_proj", 1, double(L.o.bytes()));
+    }
     launch_rms_norm(x_, L.ffn_norm, batch, H, eps, xn_, s);
     op("rms_norm", 1, 2 * act * H);
     if (L.is_moe) {

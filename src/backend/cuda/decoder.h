@@ -49,6 +49,10 @@ class Decoder {
 
  private:
   void advance(int batch, cudaStream_t s);
+  // The attention block of an MLA layer (absorbed, see mla.h); `op` marks each op as in step().
+  template <typename Op>
+  void mla_attention(const DLayer& L, int layer, int batch, cudaStream_t s, Op& op);
+  KvLayer index_kv(int layer) const;
   template <typename T>
   T* buffer(size_t n);
 
@@ -58,6 +62,13 @@ class Decoder {
   std::vector<void*> buffers_;
   float *x_, *xn_, *q_, *k_, *v_, *att_, *act_, *logits_, *kv_k_, *kv_v_, *att_scratch_;
   AttentionSplit split_;
+  // MLA: q latent, kv latent, queries, queries in latent space, latent attention output, values;
+  // DSA indexer: queries, key, head weights, scores, selected positions and their count.
+  struct MlaBuffers {
+    float *q_latent = nullptr, *kv_latent = nullptr, *q = nullptr, *q_abs = nullptr, *att = nullptr, *v = nullptr;
+    float *iq = nullptr, *ik = nullptr, *iw = nullptr, *scores = nullptr, *index_cache = nullptr;
+    int32_t *select = nullptr, *select_count = nullptr;
+  } mla_;
   int32_t *tokens_, *positions_, *next_;
   MoeScratch moe_;
   ArgmaxScratch argmax_;

@@ -131,15 +131,15 @@ DLinear DeviceModel::make_random(int out, int in, bool nvfp4, uint64_t seed) {
 
 namespace {
 
-void check_attention_supported(const ModelConfig& c) {
-  if (c.is_mla())
-    fail(c.source, ": ", c.architecture, " uses multi-head latent attention, which the CUDA backend does not run yet");
+void check_kv_b(const Linear& l) {
+  if (l.format != WeightFormat::BF16)
+    fail(l.name, ": the CUDA MLA kernels read kv_b_proj as BF16, found ", format_name(l.format),
+         " (keep attention out of the quantized modules)");
 }
 
 }  // namespace
 
 std::unique_ptr<DeviceModel> DeviceModel::upload(const Model& m) {
-  check_attention_supported(m.config);
   std::unique_ptr<DeviceModel> d(new DeviceModel(m.config));
   const ModelConfig& c = m.config;
   const ModelWeights& w = m.weights;
@@ -151,9 +151,32 @@ std::unique_ptr<DeviceModel> DeviceModel::upload(const Model& m) {
     DLayer l;
     l.attn_norm = d->floats(L.attn_norm);
     l.ffn_norm = d->floats(L.ffn_norm);
-    l.q = d->put(L.q);
-    l.k = d->put(L.k);
-    l.v = d->put(L.v);
+    if (c.is_mla()) {
+      const MlaWeights& a = L.mla;
+      check_kv_b(a.kv_b);
+      if (c.mla.q_lora_rank > 0) {
+        l.mla.q_a = d->put(a.q_a);
+        l.mla.q_b = d->put(a.q_b);
+        l.mla.q_a_norm = d->floats(a.q_a_norm);
+      } else {
+        l.mla.q = d->put(a.q);
+      }
+      l.mla.kv_a = d->put(a.kv_a);
+      l.mla.kv_b = d->put(a.kv_b);
+      l.mla.kv_a_norm = d->floats(a.kv_a_norm);
+      l.mla.has_indexer = a.has_indexer;
+      if (a.has_indexer) {
+        l.mla.index_wq_b = d->put(a.indexer.wq_b);
+        l.mla.index_wk = d->put(a.indexer.wk);
+        l.mla.index_weights = d->put(a.indexer.weights_proj);
+        l.mla.index_norm_w = d->floats(a.indexer.k_norm);
+        l.mla.index_norm_b = d->floats(a.indexer.k_norm_bias);
+      }
+    } else {
+      l.q = d->put(L.q);
+      l.k = d->put(L.k);
+      l.v = d->put(L.v);
+    }
     l.o = d->put(L.o);
     l.q_norm = d->floats(L.q_norm);
     l.k_norm = d->floats(L.k_norm);
@@ -191,7 +214,6 @@ std::unique_ptr<DeviceModel> DeviceModel::upload(const Model& m) {
 }
 
 std::unique_ptr<DeviceModel> DeviceModel::random(const ModelConfig& c, uint64_t seed) {
-  check_attention_supported(c);
   std::unique_ptr<DeviceModel> d(new DeviceModel(c));
   const int H = int(c.hidden_size), hd = int(c.head_dim);
   uint64_t s = seed;
@@ -207,11 +229,38 @@ std::unique_ptr<DeviceModel> DeviceModel::random(const ModelConfig& c, uint64_t 
     const std::string p = "model.layers." + std::to_string(i) + ".";
     DLayer l;
     l.attn_norm = l.ffn_norm = norm_h;
-    l.q = lin(p + "self_attn.q_proj", int(c.num_heads) * hd, H);
-    l.k = lin(p + "self_attn.k_proj", int(c.num_kv_heads) * hd, H);
-    l.v = lin(p + "self_attn.v_proj", int(c.num_kv_heads) * hd, H);
-    l.o = lin(p + "self_attn.o_proj", H, int(c.num_heads) * hd);
-    if (c.qkv_bias) {
+    if (c.is_mla()) {
+      // kv_b stays BF16 (the absorbed kernels read it so); biases are left out.
+      const MlaConfig& m = c.mla;
+      const int nh = int(c.num_heads), qk = int(m.qk_head_dim()), r = int(m.kv_lora_rank);
+      const std::string a = p + "self_attn.";
+      if (m.q_lora_rank > 0) {
+        l.mla.q_a = lin(a + "q_a_proj", int(m.q_lora_rank), H);
+        l.mla.q_b = lin(a + "q_b_proj", nh * qk, int(m.q_lora_rank));
+        l.mla.q_a_norm = d->floats(std::vector<float>(size_t(m.q_lora_rank), 1.0f));
+      } else {
+        l.mla.q = lin(a + "q_proj", nh * qk, H);
+      }
+      l.mla.kv_a = lin(a + "kv_a_proj_with_mqa", int(m.latent()), H);
+      l.mla.kv_b = d->make_random(nh * int(m.qk_nope_head_dim + m.v_head_dim), r, false, ++s);
+      l.mla.kv_a_norm = d->floats(std::vector<float>(size_t(r), 1.0f));
+      l.o = lin(a + "o_proj", H, nh * int(m.v_head_dim));
+      const IndexerConfig& ix = c.indexer;
+      l.mla.has_indexer = ix.enabled() && ix.own[size_t(i)];
+      if (l.mla.has_indexer) {
+        l.mla.index_wq_b = lin(a + "indexer.wq_b", int(ix.heads * ix.head_dim), int(m.q_lora_rank));
+        l.mla.index_wk = lin(a + "indexer.wk", int(ix.head_dim), H);
+        l.mla.index_weights = lin(a + "indexer.weights_proj", int(ix.heads), H);
+        l.mla.index_norm_w = d->floats(std::vector<float>(size_t(ix.head_dim), 1.0f));
+        l.mla.index_norm_b = d->floats(std::vector<float>(size_t(ix.head_dim), 0.0f));
+      }
+    } else {
+      l.q = lin(p + "self_attn.q_proj", int(c.num_heads) * hd, H);
+      l.k = lin(p + "self_attn.k_proj", int(c.num_kv_heads) * hd, H);
+      l.v = lin(p + "self_attn.v_proj", int(c.num_kv_heads) * hd, H);
+      l.o = lin(p + "self_attn.o_proj", H, int(c.num_heads) * hd);
+    }
+    if (c.qkv_bias && !c.is_mla()) {
       l.q.bias = d->floats(std::vector<float>(size_t(l.q.out), 0.0f));
       l.k.bias = d->floats(std::vector<float>(size_t(l.k.out), 0.0f));
       l.v.bias = d->floats(std::vector<float>(size_t(l.v.out), 0.0f));

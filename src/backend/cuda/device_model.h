@@ -13,10 +13,22 @@
 
 namespace kestrel::cuda {
 
+// Multi-head latent attention of one layer (see mla.h); kv_b is BF16.
+struct DMla {
+  DLinear q_a, q_b, q, kv_a, kv_b;
+  const float* q_a_norm = nullptr;
+  const float* kv_a_norm = nullptr;
+  bool has_indexer = false;
+  DLinear index_wq_b, index_wk, index_weights;
+  const float* index_norm_w = nullptr;
+  const float* index_norm_b = nullptr;
+};
+
 struct DLayer {
   const float* attn_norm = nullptr;
   const float* ffn_norm = nullptr;
-  DLinear q, k, v, o;
+  DLinear q, k, v, o;  // MLA: o only
+  DMla mla;
   const float* q_norm = nullptr;
   const float* k_norm = nullptr;
   bool is_moe = false;

@@ -1,20 +1,10 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/norm_rope.h"
+#include "backend/cuda/reduce.cuh"
 
 namespace kestrel::cuda {
 namespace {
-
-__device__ float block_sum(float v, float* red) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-  __syncthreads();
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  float t = 0.0f;
-  for (int i = 0; i < warps; ++i) t += red[i];
-  return t;
-}
 
 constexpr int kNormThreads = 256, kNormPer = 8;  // float4 per thread: rows up to 8192 in one pass
 
@@ -87,19 +77,9 @@ __global__ void qk_rope_store_kernel(float* __restrict__ q, const float* __restr
   }
   __syncthreads();
   float* dst = is_q ? q + (size_t(b) * nq + h) * hd : cache.k + size_t(b) * cache.seq_stride + (size_t(pos) * nkv + kh) * hd;
-  const int half = rope.rotary_dim / 2;
-  for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-    float r = buf[i];
-    if (i < rope.rotary_dim) {
-      // Pair (a, b) rotated by angle pos * inv_freq[j].
-      const int j = rope.interleaved ? i / 2 : (i < half ? i : i - half);
-      const int a = rope.interleaved ? 2 * j : j, c = rope.interleaved ? 2 * j + 1 : j + half;
-      const float f = float(pos) * rope.inv_freq[j];
-      const float cs = cosf(f) * rope.scaling, sn = sinf(f) * rope.scaling;
-      r = (i == a) ? buf[a] * cs - buf[c] * sn : buf[c] * cs + buf[a] * sn;
-    }
-    dst[i] = r;
-  }
+  for (int i = threadIdx.x; i < hd; i += blockDim.x)
+    dst[i] = i < rope.rotary_dim ? rotated(buf, i, pos, rope.inv_freq, rope.scaling, rope.rotary_dim, rope.interleaved)
+                                 : buf[i];
   if (!is_q) {
     const float* vs = v + (size_t(b) * nkv + kh) * hd;
     float* vd = cache.v + size_t(b) * cache.seq_stride + (size_t(pos) * nkv + kh) * hd;
