@@ -53,11 +53,20 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   KESTREL_MMA_MIN_BATCH=1 bench qwen3-30b-a3b-mma-b1 --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1 --context 1024 --steps 50
   KESTREL_PDL=0 bench qwen3-30b-a3b-no-pdl --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 50
   bench glm-4.5-air --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 30
+  # MLA models are larger than one GPU: slices of 5 and 9 layers (3 dense + 2 or 6 MoE); the
+  # difference gives one MoE layer's time and floor, extrapolated to the full depth below.
+  for m in glm-5 deepseek-v3; do
+    for n in 5 9; do
+      bench "$m-l$n" --config "configs/$m-nvfp4.json" --random-weights --layers "$n" --batch 1,8 --context 1024 --steps 30
+    done
+  done
+  bench glm-5-l5-ctx4k --config configs/glm-5-nvfp4.json --random-weights --layers 5 --batch 1 --context 4096 --steps 30 --ops
+  python3 scripts/extrapolate_layers.py "$OUT" glm-5:78 deepseek-v3:61 | tee -a "$OUT/bench.txt"
 fi
 
 echo
 echo "== kestrel GPU suite =="
 printf "tests: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests.log" | tr '\n' ' ')"
 grep "^cli:" "$OUT/cli.txt" || true
-[ -f "$OUT/bench.txt" ] && grep -E "^== |^ *(batch|[0-9])|^  [a-z_]+ +[0-9]|^  total" "$OUT/bench.txt" | grep -v "random weights" || true
+[ -f "$OUT/bench.txt" ] && grep -E "^== |^ *(batch|[0-9])|^  [a-z_]+ +[0-9]|^  total|^extrapolated|^ *[a-z0-9.-]+ +B=" "$OUT/bench.txt" | grep -v "random weights" || true
 exit $tests_rc

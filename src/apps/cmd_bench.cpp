@@ -28,6 +28,7 @@ struct Options {
   int steps = 100;
   std::string json, plot;
   bool ops = false;
+  int64_t layers = 0;  // 0: all
 };
 
 struct OpRow {
@@ -44,7 +45,9 @@ std::vector<BarRow> print_ops(cuda::Decoder& dec, const ModelConfig& c, int B, i
                               double graph_ms, double no_graph_ms, cudaStream_t s, nlohmann::json& out) {
   cuda::OpTimer timer;
   std::vector<OpRow> rows;
-  const double kv_per_layer = double(B) * double(context) * double(c.num_kv_heads * c.head_dim) * 2.0 * 4.0;
+  // The attention op is charged with its layer's share of the KV cache reads (MLA: the latent rows
+  // it attends to and the indexer keys it scores).
+  const double kv_per_layer = decode_cost(c, B, context, 4.0).kv_cache / double(c.num_layers);
   for (int i = 0; i < steps + 2; ++i) {
     dec.step(B, s, &timer);
     const auto ops = timer.finish();
@@ -143,6 +146,17 @@ void add_common(CLI::App& app, Options* o) {
   app.add_option("--steps", o->steps, "Timed decode steps per batch size (bench: 100; profile: 30)");
   app.add_option("--json", o->json, "Also write the results as JSON to this file");
   app.add_option("--plot", o->plot, "With the per-op times: an SVG of each op against its floor (first batch size)");
+  app.add_option("--layers", o->layers,
+                 "With --random-weights: only the first N layers (a slice of a model larger than the GPU)");
+}
+
+// The first n layers of a configuration: the same shapes per layer, a shallower model.
+ModelConfig first_layers(ModelConfig c, int64_t n) {
+  if (n < 1 || n > c.num_layers) fail("--layers: expected 1..", c.num_layers, ", got ", n);
+  c.num_layers = n;
+  c.moe_layer.resize(size_t(n));
+  if (c.indexer.enabled()) c.indexer.own.resize(size_t(n));
+  return c;
 }
 
 }  // namespace
@@ -171,6 +185,7 @@ int run_bench(const Options* o) {
     if (o->model.empty() == o->config.empty()) fail("bench: give either --model DIR or --config FILE --random-weights");
     if (!o->config.empty() && !o->random_weights) fail("bench: --config needs --random-weights");
     if (o->steps < 1) fail("bench: --steps must be positive");
+    if (o->layers && !o->random_weights) fail("--layers: only with --random-weights");
     const std::vector<int> batches = parse_list(o->batches);
     std::unique_ptr<Model> host;
     std::unique_ptr<cuda::DeviceModel> dm;
@@ -178,12 +193,15 @@ int run_bench(const Options* o) {
       host = load_model(o->model, true);
       dm = cuda::DeviceModel::upload(*host);
     } else {
-      dm = cuda::DeviceModel::random(o->model.empty() ? parse_model_config_and_quant(read_json_file(o->config), o->config) : load_model_config(o->model));
+      ModelConfig full =
+          o->model.empty() ? parse_model_config_and_quant(read_json_file(o->config), o->config) : load_model_config(o->model);
+      dm = cuda::DeviceModel::random(o->layers ? first_layers(full, o->layers) : full);
     }
     const ModelConfig& c = dm->config();
     const double bw = measure_bandwidth();
-    std::printf("model: %s, %lld layers, weights %.2f GiB on the GPU\n", c.architecture.c_str(),
-                (long long)c.num_layers, double(dm->bytes()) / (1ull << 30));
+    std::printf("model: %s, %lld layers%s, weights %.2f GiB on the GPU\n", c.architecture.c_str(),
+                (long long)c.num_layers, o->layers ? " (a slice: the first layers of the configuration)" : "",
+                double(dm->bytes()) / (1ull << 30));
     std::printf("measured copy bandwidth: %.0f GB/s (4 GiB device-to-device, read + write)\n", bw / 1e9);
     std::printf("%6s %9s %11s %11s %9s %8s %9s %10s\n", "batch", "context", "graph ms", "no-graph ms", "floor ms",
                 "x floor", "tok/s", "launches");

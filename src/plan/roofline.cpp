@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
 #include <map>
 #include <set>
 
@@ -37,39 +36,28 @@ struct Builder {
   }
 };
 
-int64_t get_int(const nlohmann::json& j, const char* key, const std::string& path, int64_t fallback = -1) {
-  if (!j.contains(key) || j[key].is_null()) {
-    if (fallback >= 0) return fallback;
-    fail(path, ": field '", key, "' is missing");
-  }
-  if (!j[key].is_number_integer() || j[key].get<int64_t>() < 0) fail(path, ": field '", key, "' must be a non-negative integer");
-  return j[key].get<int64_t>();
-}
-
-StepShapes mla_shapes(const nlohmann::json& j, const std::string& path, QuantWhatIf w) {
-  const std::string dir = std::filesystem::path(path).parent_path().string();
-  const QuantConfig q = load_quant_config(dir, j, path);
+StepShapes mla_shapes(const ModelConfig& c, QuantWhatIf w) {
   StepShapes s;
-  Builder b{s, q, w};
+  Builder b{s, c.quant, w};
   s.mla = true;
-  s.architecture = j.value("architectures", nlohmann::json::array({"?"}))[0].get<std::string>();
-  const double H = double(s.hidden = get_int(j, "hidden_size", path));
-  s.layers = get_int(j, "num_hidden_layers", path);
-  s.vocab = get_int(j, "vocab_size", path);
-  const double nh = double(get_int(j, "num_attention_heads", path));
-  const double qlr = double(get_int(j, "q_lora_rank", path, 0)), kvlr = double(get_int(j, "kv_lora_rank", path));
-  const double nope = double(get_int(j, "qk_nope_head_dim", path)), rope = double(get_int(j, "qk_rope_head_dim", path));
-  const double vd = double(get_int(j, "v_head_dim", path));
-  const double ihn = double(get_int(j, "index_n_heads", path, 0)), ihd = double(get_int(j, "index_head_dim", path, 0));
-  s.attended_positions_cap = get_int(j, "index_topk", path, 0);
+  s.architecture = c.architecture;
+  const double H = double(s.hidden = c.hidden_size);
+  s.layers = c.num_layers;
+  s.vocab = c.vocab_size;
+  const MlaConfig& m = c.mla;
+  const IndexerConfig& ix = c.indexer;
+  const double nh = double(c.num_heads), qlr = double(m.q_lora_rank), kvlr = double(m.kv_lora_rank);
+  const double nope = double(m.qk_nope_head_dim), rope = double(m.qk_rope_head_dim), vd = double(m.v_head_dim);
+  const double ihn = double(ix.heads), ihd = double(ix.head_dim);
+  s.attended_positions_cap = ix.enabled() ? ix.topk : 0;
   s.kv_values_per_position = kvlr + rope;
-  s.index_values_per_position = ihn > 0 ? ihd : 0;
-  const int64_t dense_layers = get_int(j, "first_k_dense_replace", path, 0);
-  const double I = double(get_int(j, "intermediate_size", path));
-  const double E = double(s.experts = get_int(j, "n_routed_experts", path, 0));
-  s.experts_per_token = get_int(j, "num_experts_per_tok", path, 0);
-  const double MI = double(get_int(j, "moe_intermediate_size", path, 0));
-  const double shared = double(get_int(j, "n_shared_experts", path, 0));
+  int64_t index_layers = 0;
+  for (bool own : ix.own) index_layers += own;
+  s.index_values_per_position = ix.enabled() ? ihd * double(index_layers) / double(c.num_layers) : 0;
+  const double I = double(c.intermediate_size), MI = double(c.moe_intermediate_size);
+  const double shared = double(c.num_shared_experts);
+  s.experts = c.num_experts;
+  s.experts_per_token = c.experts_per_token;
   for (int64_t i = 0; i < s.layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
     const std::string a = p + "self_attn.";
@@ -82,19 +70,19 @@ StepShapes mla_shapes(const nlohmann::json& j, const std::string& path, QuantWha
     b.add(a + "kv_a_proj_with_mqa", Part::Attention, Split::Replicated, kvlr + rope, H);
     b.add(a + "kv_b_proj", Part::Attention, Split::Column, nh * (nope + vd), kvlr);
     b.add(a + "o_proj", Part::Attention, Split::Row, H, nh * vd);
-    if (ihn > 0) {
-      b.add(a + "indexer.wq_b", Part::Attention, Split::Replicated, ihn * ihd, qlr > 0 ? qlr : H);
+    if (ix.enabled() && ix.own[size_t(i)]) {
+      b.add(a + "indexer.wq_b", Part::Attention, Split::Replicated, ihn * ihd, qlr);
       b.add(a + "indexer.wk", Part::Attention, Split::Replicated, ihd, H);
       b.add(a + "indexer.weights_proj", Part::Attention, Split::Replicated, ihn, H, true);
     }
-    if (i < dense_layers || E == 0) {
+    if (!c.is_moe_layer(i)) {
       b.add(p + "mlp.gate_proj", Part::DenseFfn, Split::Column, I, H);
       b.add(p + "mlp.up_proj", Part::DenseFfn, Split::Column, I, H);
       b.add(p + "mlp.down_proj", Part::DenseFfn, Split::Row, H, I);
       continue;
     }
     ++s.moe_layers;
-    b.add(p + "mlp.gate", Part::Router, Split::Replicated, E, H, true);
+    b.add(p + "mlp.gate", Part::Router, Split::Replicated, double(c.num_experts), H, true);
     if (shared > 0) {
       const std::string sp = p + "mlp.shared_experts.";
       b.add(sp + "gate_proj", Part::SharedExperts, Split::Column, MI * shared, H);
@@ -179,11 +167,12 @@ const char* part_name(Part p) {
 
 StepShapes step_shapes(const nlohmann::json& config, const std::string& config_path, QuantWhatIf quant) {
   if (!config.is_object()) fail(config_path, ": not a JSON object");
-  if (config.contains("kv_lora_rank") && !config["kv_lora_rank"].is_null()) return mla_shapes(config, config_path, quant);
-  return gqa_shapes(parse_model_config_and_quant(config, config_path), quant);
+  return step_shapes(parse_model_config_and_quant(config, config_path), quant);
 }
 
-StepShapes step_shapes(const ModelConfig& c, QuantWhatIf quant) { return gqa_shapes(c, quant); }
+StepShapes step_shapes(const ModelConfig& c, QuantWhatIf quant) {
+  return c.is_mla() ? mla_shapes(c, quant) : gqa_shapes(c, quant);
+}
 
 Roofline roofline(const StepShapes& s, const Layout& layout, int batch, int64_t context, double kv_bytes,
                   double bandwidth_gbs, const GpuSpec& link) {
