@@ -192,6 +192,24 @@ ModelConfig router_config(bool sigmoid, int E, int K, int groups, int topk_group
   return c;
 }
 
+// A diverged hidden state (NaN) must still route to experts that exist: garbage out, no crash.
+TEST(CudaOps, RoutingOfNanStaysInRange) {
+  std::mt19937 rng(6);
+  const int H = 128, B = 3;
+  for (const ModelConfig& c : {router_config(false, 128, 8, 1, 1, true), router_config(true, 64, 6, 8, 3, true)}) {
+    RandomLinear w(int(c.num_experts), H, WeightFormat::BF16, rng);
+    const auto bias = test::random_floats(size_t(c.num_experts), rng, 0.1f);
+    const std::vector<float> x(size_t(B) * H, std::nanf(""));
+    DeviceBuffer<float> dx(x), dbias(bias), dw(size_t(B) * c.experts_per_token), dl(size_t(B) * c.num_experts);
+    DeviceBuffer<int32_t> de(size_t(B) * c.experts_per_token);
+    cuda::launch_route(cuda::make_router(c, w.dev, dbias.get()), dx.get(), B, dl.get(), de.get(), dw.get(), nullptr);
+    for (int32_t e : de.download()) {
+      EXPECT_GE(e, 0);
+      EXPECT_LT(e, c.num_experts);
+    }
+  }
+}
+
 TEST(CudaOps, RoutingMatchesCpu) {
   std::mt19937 rng(5);
   const int H = 128, B = 7;
@@ -406,20 +424,51 @@ TEST(CudaOps, TopkSelectMatchesCpu) {
   }
 }
 
+// DSA index scores at GLM-5's indexer shape (32 heads of 128) against the CPU formula.
+TEST(CudaOps, IndexScoresMatchCpu) {
+  std::mt19937 rng(31);
+  cuda::IndexerShape x{32, 128, 64, 2048};
+  const int ctx = 300;
+  const std::vector<int32_t> pos = {299, 5};
+  const int B = int(pos.size());
+  const auto keys = test::random_floats(size_t(B) * ctx * x.dim, rng);
+  const auto q = test::random_floats(size_t(B) * x.heads * x.dim, rng);
+  const auto w = test::random_floats(size_t(B) * x.heads, rng);
+  DeviceBuffer<float> dk(keys), dq(q), dw(w), ds(static_cast<size_t>(B) * ctx);
+  DeviceBuffer<int32_t> dp(pos);
+  ds.poison();
+  cuda::KvLayer cache{dk.get(), dk.get(), int64_t(ctx) * x.dim};
+  cuda::launch_index_scores(dq.get(), dw.get(), B, x, dp.get(), cache, ctx, ds.get(), nullptr);
+  const auto got = ds.download();
+  for (int b = 0; b < B; ++b) {
+    std::vector<float> want, have;
+    for (int j = 0; j <= pos[size_t(b)]; ++j) {
+      double s = 0;
+      for (int h = 0; h < x.heads; ++h) {
+        const float d = cpu::dot(q.data() + (size_t(b) * x.heads + h) * x.dim, keys.data() + (size_t(b) * ctx + j) * x.dim, x.dim);
+        s += double(w[size_t(b) * x.heads + h]) / std::sqrt(double(x.heads)) * std::max(0.0, d / std::sqrt(double(x.dim)));
+      }
+      want.push_back(float(s));
+      have.push_back(got[size_t(b) * ctx + j]);
+    }
+    EXPECT_LT(test::rel_l2(have.data(), want.data(), int64_t(want.size())), kTol) << "row " << b;
+  }
+}
+
 // Absorbed MLA decode (latent store, query absorption, attention over the latent rows, value
 // absorption) against the CPU's expanded form, dense and with a position selection.
 TEST(CudaOps, MlaAttentionMatchesCpu) {
   std::mt19937 rng(29);
   ModelConfig c;
-  c.num_heads = 4;
-  c.num_kv_heads = 4;
-  c.mla = MlaConfig{0, 64, 32, 16, 24, 0.1f, 1e-6f};
+  c.num_heads = 12;  // two groups of 8 heads, the second partial
+  c.num_kv_heads = 12;
+  c.mla = MlaConfig{0, 96, 32, 16, 24, 0.1f, 1e-6f};  // rank 96: a partial 64-column slice
   c.attention = AttentionKind::Mla;
   c.rope.rotary_dim = 16;
   c.rope.interleaved = true;
   c.rms_norm_eps = 1e-5f;
   const MlaConfig& m = c.mla;
-  const int heads = 4, lat = int(m.latent()), qk = int(m.qk_head_dim()), ctx = 40;
+  const int heads = 12, lat = int(m.latent()), qk = int(m.qk_head_dim()), ctx = 40;
   RandomLinear kv_b(heads * int(m.qk_nope_head_dim + m.v_head_dim), int(m.kv_lora_rank), WeightFormat::BF16, rng);
   const std::vector<float> norm = test::random_floats(size_t(m.kv_lora_rank), rng);
   const std::vector<float> inv_freq = c.rope.inv_freq();
@@ -430,16 +479,19 @@ TEST(CudaOps, MlaAttentionMatchesCpu) {
   rope.interleaved = 1;
   cuda::MlaShape ms{heads, int(m.qk_nope_head_dim), int(m.qk_rope_head_dim), int(m.v_head_dim), int(m.kv_lora_rank)};
 
-  // Two sequences at positions 30 and 37, each with its own cache filled by the kernels.
-  const std::vector<int32_t> pos = {30, 37};
-  const int B = 2;
+  // Nine sequences (more than the 8 batch rows one absorption block serves), each with its own
+  // cache filled by the kernels, at positions 21..37.
+  std::vector<int32_t> pos;
+  for (int b = 0; b < 9; ++b) pos.push_back(21 + 2 * b);
+  const int B = int(pos.size());
   DeviceBuffer<float> cache(size_t(B) * ctx * lat);
   cuda::KvLayer kvl{cache.get(), cache.get(), int64_t(ctx) * lat};
   std::vector<std::vector<float>> host_lat(B, std::vector<float>(size_t(ctx) * lat));
   cpu::RopeTables tables(c.rope);
   for (int p = 0; p <= 37; ++p) {
     auto kv = test::random_floats(size_t(B) * lat, rng);
-    std::vector<int32_t> at = {std::min(p, 30), p};
+    std::vector<int32_t> at;
+    for (int32_t q : pos) at.push_back(std::min<int32_t>(p, q));
     DeviceBuffer<float> dkv(kv);
     DeviceBuffer<int32_t> dat(at);
     cuda::launch_mla_latent_store(dkv.get(), B, ms, d_norm.get(), 1e-6f, rope, dat.get(), kvl, nullptr);
@@ -490,11 +542,11 @@ TEST(CudaOps, MlaAttentionMatchesCpu) {
         }
       }
     }
-    DeviceBuffer<float> dq(q), dqa(size_t(B) * heads * lat), datt(size_t(B) * heads * lat),
+    DeviceBuffer<float> dq(q), dqa(size_t(B) * heads * lat), datt(size_t(B) * heads * m.kv_lora_rank),
         dout(size_t(B) * heads * m.v_head_dim);
     DeviceBuffer<int32_t> dpos(pos);
-    const cuda::AttentionSplit split = cuda::attention_split(ctx);
-    DeviceBuffer<float> scratch(cuda::attention_scratch_floats(B, heads, lat, split));
+    const cuda::AttentionSplit split = cuda::mla_split(ctx);
+    DeviceBuffer<float> scratch(cuda::attention_scratch_floats(B, heads, int(m.kv_lora_rank), split));
     std::vector<int32_t> sel(size_t(B) * ctx, 0), cnt(B);
     for (int b = 0; b < B; ++b) {
       std::copy(chosen[size_t(b)].begin(), chosen[size_t(b)].end(), sel.begin() + size_t(b) * ctx);
@@ -505,8 +557,8 @@ TEST(CudaOps, MlaAttentionMatchesCpu) {
     if (sparse) select = {dsel.get(), dcnt.get(), ctx};
     dout.poison();
     cuda::launch_mla_query(dq.get(), B, ms, kv_b.dev, rope, dpos.get(), dqa.get(), nullptr);
-    cuda::launch_decode_attention(dqa.get(), B, heads, 1, lat, m.softmax_scale, dpos.get(), kvl, split, scratch.get(),
-                                  datt.get(), nullptr, select);
+    cuda::launch_mla_attention(dqa.get(), B, ms, m.softmax_scale, dpos.get(), kvl, split, select, scratch.get(),
+                               datt.get(), nullptr);
     cuda::launch_mla_output(datt.get(), B, ms, kv_b.dev, dout.get(), nullptr);
     const auto got = dout.download();
     EXPECT_LT(test::rel_l2(got.data(), want.data(), int64_t(want.size())), 1e-4) << (sparse ? "sparse" : "dense");

@@ -8,24 +8,22 @@ namespace kestrel::cuda {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kMaxHd = 576;  // MLA: kv_lora_rank 512 + rope 64
+constexpr int kMaxHd = 256;
+constexpr int kUnroll = 4;  // positions whose keys are loaded before the first is used
 
 // Split-K decode attention (flash-decoding): block (head, sequence, split) covers positions
 // [split * chunk, (split + 1) * chunk) of that sequence; each warp keeps an online softmax over
 // its share and the block writes one partial (max, sum, weighted values) per split.
-// kUnroll: positions whose keys are loaded before the first is used.
-template <int kPer, int kUnroll>
+template <int kPer>
 __global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const float* __restrict__ q, int nq, int nkv,
                                                                        int hd, float scale, int chunk,
                                                                        const int32_t* __restrict__ positions,
-                                                                       KvLayer cache, AttentionSelect select,
-                                                                       float* __restrict__ part) {
+                                                                       KvLayer cache, float* __restrict__ part) {
   __shared__ float s_m[kWarps], s_l[kWarps], s_acc[kWarps][kPer * 32];
   const int h = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   pdl_enter();
-  const int kvh = h / (nq / nkv), len = select.index ? select.count[b] : positions[b] + 1;
-  const int32_t* chosen = select.index ? select.index + size_t(b) * select.stride : nullptr;
+  const int kvh = h / (nq / nkv), len = positions[b] + 1;
   const int begin = split * chunk, end = min(len, begin + chunk);
   const float* qv = q + (size_t(b) * nq + h) * hd;
   float qr[kPer], acc[kPer];
@@ -43,12 +41,11 @@ __global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const fl
     float kr[kUnroll][kPer], vr[kUnroll][kPer];
     #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int i0 = p0 + u;
-      const size_t p = i0 < end ? size_t(chosen ? chosen[i0] : i0) : 0;
+      const int p = p0 + u;
       #pragma unroll
       for (int i = 0; i < kPer; ++i) {
         const int d = lane + 32 * i;
-        const bool ok = i0 < end && d < hd;
+        const bool ok = p < end && d < hd;
         kr[u][i] = ok ? kbase[p * stride + d] : 0.0f;
         vr[u][i] = ok ? vbase[p * stride + d] : 0.0f;
       }
@@ -90,70 +87,82 @@ __global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const fl
   if (lane == 0) out[hd] = M, out[hd + 1] = L;
 }
 
-constexpr int kMaxSplits = 64;  // attention_split never makes more
+constexpr int kMaxSplits = 256;  // attention_split makes at most 64, MLA's split at most 256
+constexpr int kSplitsPerLane = kMaxSplits / 32, kCombineDims = 128;
 
-// One block per (head, sequence): the first warp turns the splits' maxima and sums into one
-// weight per split, then every thread adds its dimensions over the splits with the loads of
+// Block (head, sequence, 128 dimensions): the first warp turns the splits' maxima and sums into
+// one weight per split, then every thread adds its dimension over the splits with the loads of
 // several splits in flight.
-__global__ void __launch_bounds__(128) attention_combine_kernel(const float* __restrict__ part, int nq, int hd,
-                                                                int splits, float* __restrict__ out) {
+__global__ void __launch_bounds__(kCombineDims) attention_combine_kernel(const float* __restrict__ part, int nq,
+                                                                         int hd, int splits, float* __restrict__ out) {
   __shared__ float weight[kMaxSplits];
-  const int h = blockIdx.x, b = blockIdx.y;
+  const int h = blockIdx.x, b = blockIdx.y, d = blockIdx.z * kCombineDims + threadIdx.x;
   pdl_enter();
   const float* p = part + (size_t(b) * nq + h) * splits * (hd + 2);
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
-    float m[2], l[2], M = -FLT_MAX;
+    float m[kSplitsPerLane], l[kSplitsPerLane], M = -FLT_MAX;
     #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < kSplitsPerLane; ++i) {
       const int s = lane + 32 * i;
       m[i] = s < splits ? p[s * (hd + 2) + hd] : -FLT_MAX;
       l[i] = s < splits ? p[s * (hd + 2) + hd + 1] : 0.0f;
       M = fmaxf(M, m[i]);
     }
     for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    float L = l[0] * __expf(m[0] - M) + l[1] * __expf(m[1] - M);
+    float L = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < kSplitsPerLane; ++i) L += l[i] * __expf(m[i] - M);
     for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
     #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < kSplitsPerLane; ++i) {
       const int s = lane + 32 * i;
       if (s < splits) weight[s] = __expf(m[i] - M) / L;
     }
   }
   __syncthreads();
-  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-    float t = 0.0f;
-    #pragma unroll 8
-    for (int s = 0; s < splits; ++s) t = fmaf(p[s * (hd + 2) + d], weight[s], t);
-    out[(size_t(b) * nq + h) * hd + d] = t;
-  }
+  if (d >= hd) return;
+  float t = 0.0f;
+  #pragma unroll 8
+  for (int s = 0; s < splits; ++s) t = fmaf(p[s * (hd + 2) + d], weight[s], t);
+  out[(size_t(b) * nq + h) * hd + d] = t;
 }
 
 }  // namespace
 
 AttentionSplit attention_split(int max_context) {
   AttentionSplit s;
-  s.splits = std::min(kMaxSplits, std::max(1, (max_context + 63) / 64));
+  s.splits = std::min(64, std::max(1, (max_context + 63) / 64));
   s.chunk = (max_context + s.splits - 1) / s.splits;
   return s;
 }
 
 void launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, float scale,
                              const int32_t* positions, KvLayer cache, const AttentionSplit& split, float* scratch,
-                             float* out, cudaStream_t s, AttentionSelect select) {
+                             float* out, cudaStream_t s) {
   if (hd > kMaxHd) fail("CUDA decode attention supports head_dim up to ", kMaxHd, ", got ", hd);
   const dim3 grid(unsigned(nq), unsigned(batch), unsigned(split.splits));
-  auto go = [&](auto kernel) {
-    launch(kernel, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions, cache, select, scratch);
-  };
-  if (hd <= 32) go(attention_partial_kernel<1, 4>);
-  else if (hd <= 64) go(attention_partial_kernel<2, 4>);
-  else if (hd <= 128) go(attention_partial_kernel<4, 4>);
-  else if (hd <= 256) go(attention_partial_kernel<8, 4>);
-  else go(attention_partial_kernel<18, 1>);
+  if (hd <= 32)
+    launch(attention_partial_kernel<1>, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions,
+           cache, scratch);
+  else if (hd <= 64)
+    launch(attention_partial_kernel<2>, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions,
+           cache, scratch);
+  else if (hd <= 128)
+    launch(attention_partial_kernel<4>, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions,
+           cache, scratch);
+  else
+    launch(attention_partial_kernel<8>, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions,
+           cache, scratch);
   KESTREL_CUDA_LAUNCHED();
-  launch(attention_combine_kernel, dim3(unsigned(nq), unsigned(batch)), dim3(128), 0, s, scratch, nq, hd, split.splits,
-         out);
+  launch_attention_combine(scratch, batch, nq, hd, split, out, s);
+}
+
+void launch_attention_combine(const float* part, int batch, int nq, int hd, const AttentionSplit& split, float* out,
+                              cudaStream_t s) {
+  if (split.splits > kMaxSplits) fail("internal: attention combine takes at most ", kMaxSplits, " splits");
+  launch(attention_combine_kernel, dim3(unsigned(nq), unsigned(batch), unsigned((hd + kCombineDims - 1) / kCombineDims)),
+         dim3(kCombineDims), 0, s, part, nq, hd, split.splits, out);
   KESTREL_CUDA_LAUNCHED();
 }
 

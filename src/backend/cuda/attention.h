@@ -21,18 +21,13 @@ inline size_t attention_scratch_floats(int batch, int nq, int hd, const Attentio
   return size_t(batch) * size_t(nq) * size_t(s.splits) * size_t(hd + 2);
 }
 
-// Sparse attention (DSA): row b attends to the count[b] positions index[b * stride ..] only.
-struct AttentionSelect {
-  const int32_t* index = nullptr;  // null: every position 0..positions[b]
-  const int32_t* count = nullptr;
-  int stride = 0;
-};
+// q: [B, nq, hd]; sequence b attends to positions 0..positions[b]. out: [B, nq, hd].
+// Partials [B][nq][splits][hd + 2] (weighted values, then max and sum of each split) -> out [B, nq, hd].
+void launch_attention_combine(const float* part, int batch, int nq, int hd, const AttentionSplit& split, float* out,
+                              cudaStream_t s);
 
-// q: [B, nq, hd]; sequence b attends to positions 0..positions[b] (or the selected ones). out: [B, nq, hd].
-// Head h reads KV head h / (nq / nkv); MLA passes its latent as one KV head whose key is the whole
-// latent row and whose value is the same row (v == k), and uses the first kv_lora_rank outputs.
 void launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, float scale,
                              const int32_t* positions, KvLayer cache, const AttentionSplit& split, float* scratch,
-                             float* out, cudaStream_t s, AttentionSelect select = {});
+                             float* out, cudaStream_t s);
 
 }  // namespace kestrel::cuda

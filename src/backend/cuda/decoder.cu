@@ -48,9 +48,10 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
     mla_.kv_latent = buffer<float>(B * lat);
     mla_.q = buffer<float>(B * nq * size_t(m.qk_head_dim()));
     mla_.q_abs = buffer<float>(B * nq * lat);
-    mla_.att = buffer<float>(B * nq * lat);
+    mla_.att = buffer<float>(B * nq * size_t(m.kv_lora_rank));
     mla_.v = buffer<float>(B * nq * size_t(m.v_head_dim));
-    att_scratch_ = buffer<float>(attention_scratch_floats(max_batch, int(nq), int(lat), split_));
+    split_ = mla_split(max_context);
+    att_scratch_ = buffer<float>(attention_scratch_floats(max_batch, int(nq), int(m.kv_lora_rank), split_));
     kv_k_ = buffer<float>(seqs * layers * ctx * lat);  // the latent rows; v reads the same rows
     kv_v_ = kv_k_;
     if (c.indexer.enabled()) {
@@ -178,8 +179,7 @@ void Decoder::mla_attention(const DLayer& L, int layer, int batch, cudaStream_t 
     select.count = mla_.select_count;
     select.stride = int(ix.topk);
   }
-  launch_decode_attention(mla_.q_abs, batch, m.heads, 1, m.latent(), mc.softmax_scale, positions_, kvl, split_,
-                          att_scratch_, mla_.att, s, select);
+  launch_mla_attention(mla_.q_abs, batch, m, mc.softmax_scale, positions_, kvl, split_, select, att_scratch_, mla_.att, s);
   op("attention", 2, 0.0);  // KV bytes depend on the positions: the caller adds them
   launch_mla_output(mla_.att, batch, m, a.kv_b, mla_.v, s);
   op("mla_absorb_v", 1, double(a.kv_b.bytes()) * m.v / (m.nope + m.v));

@@ -36,25 +36,151 @@ __global__ void mla_latent_store_kernel(const float* __restrict__ kv, MlaShape m
                         : rotated(row + m.rank, i - m.rank, pos, rope.inv_freq, rope.scaling, m.rope, rope.interleaved);
 }
 
-// One block per (head, row): W_UK_h^T q_nope (threads over the rank, reading rows of kv_b
-// coalesced), then the rotated rope part.
-__global__ void mla_query_kernel(const float* __restrict__ q, MlaShape m, DLinear kv_b, RopeArgs rope,
-                                 const int32_t* __restrict__ positions, float* __restrict__ q_latent) {
-  extern __shared__ float qh[];  // nope + rope floats
-  const int h = blockIdx.x, b = blockIdx.y, qk = m.nope + m.rope;
+constexpr int kAbsorbWarps = 8, kAbsorbRows = 8;  // warps per block, batch rows per block
+
+// Block (64 rank columns, head, up to 8 batch rows): each warp takes every 8th row of W_UK_h and
+// each lane two adjacent columns (one 4-byte load), so a row of the block's slice is one 128-byte
+// read shared by all batch rows; the warps' partial sums meet in shared memory. Blocks of the
+// first column slice also write the rotated rope part.
+__global__ void __launch_bounds__(kAbsorbWarps * 32) mla_query_kernel(const float* __restrict__ q, int batch, MlaShape m,
+                                                                      DLinear kv_b, RopeArgs rope,
+                                                                      const int32_t* __restrict__ positions,
+                                                                      float* __restrict__ q_latent) {
+  extern __shared__ float sm[];  // kAbsorbRows * (nope + rope) queries, then kAbsorbWarps * kAbsorbRows * 64 partials
+  const int c0 = blockIdx.x * 64, h = blockIdx.y, b0 = blockIdx.z * kAbsorbRows;
+  const int nb = min(kAbsorbRows, batch - b0), qk = m.nope + m.rope;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* qs = sm;
+  float* part = sm + kAbsorbRows * qk;
   pdl_enter();
-  for (int i = threadIdx.x; i < qk; i += blockDim.x) qh[i] = q[(size_t(b) * m.heads + h) * qk + i];
+  for (int i = threadIdx.x; i < nb * qk; i += blockDim.x)
+    qs[i] = q[(size_t(b0 + i / qk) * m.heads + h) * qk + i % qk];
   __syncthreads();
-  const int pos = positions[b];
-  float* out = q_latent + (size_t(b) * m.heads + h) * m.latent();
-  const size_t w0 = size_t(h) * (m.nope + m.v) * m.rank;
-  for (int c = threadIdx.x; c < m.rank; c += blockDim.x) {
-    float acc = 0.0f;
-    for (int i = 0; i < m.nope; ++i) acc = fmaf(qh[i], bf16_at(kv_b.data, w0 + size_t(i) * m.rank + c), acc);
-    out[c] = acc;
+  const int c = c0 + 2 * lane;
+  float acc[kAbsorbRows][2] = {};
+  if (c < m.rank) {
+    const __nv_bfloat162* w = reinterpret_cast<const __nv_bfloat162*>(kv_b.data) +
+                              (size_t(h) * (m.nope + m.v) * m.rank + c) / 2;
+    #pragma unroll 8
+    for (int i = warp; i < m.nope; i += kAbsorbWarps) {
+      const float2 wv = __bfloat1622float2(w[size_t(i) * m.rank / 2]);
+      #pragma unroll
+      for (int r = 0; r < kAbsorbRows; ++r) {
+        if (r >= nb) break;
+        acc[r][0] = fmaf(qs[r * qk + i], wv.x, acc[r][0]);
+        acc[r][1] = fmaf(qs[r * qk + i], wv.y, acc[r][1]);
+      }
+    }
   }
-  for (int i = threadIdx.x; i < m.rope; i += blockDim.x)
-    out[m.rank + i] = rotated(qh + m.nope, i, pos, rope.inv_freq, rope.scaling, m.rope, rope.interleaved);
+  #pragma unroll
+  for (int r = 0; r < kAbsorbRows; ++r) {
+    part[(warp * kAbsorbRows + r) * 64 + 2 * lane] = acc[r][0];
+    part[(warp * kAbsorbRows + r) * 64 + 2 * lane + 1] = acc[r][1];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < nb * 64; i += blockDim.x) {
+    const int r = i / 64, col = i % 64;
+    if (c0 + col >= m.rank) continue;
+    float t = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < kAbsorbWarps; ++w) t += part[(w * kAbsorbRows + r) * 64 + col];
+    q_latent[(size_t(b0 + r) * m.heads + h) * m.latent() + c0 + col] = t;
+  }
+  if (blockIdx.x != 0) return;
+  for (int i = threadIdx.x; i < nb * m.rope; i += blockDim.x) {
+    const int r = i / m.rope, d = i % m.rope;
+    q_latent[(size_t(b0 + r) * m.heads + h) * m.latent() + m.rank + d] =
+        rotated(qs + r * qk + m.nope, d, positions[b0 + r], rope.inv_freq, rope.scaling, m.rope, rope.interleaved);
+  }
+}
+
+constexpr int kMlaHeads = 8, kTile = 8, kMaxKPer = 18, kMaxVPer = 16;  // latent up to 576, rank up to 512
+constexpr int kStage = 5;  // float4 loads per thread per tile: kTile * 576 / 4 <= kStage * 256
+
+// Block (split, 8 heads, sequence row), one warp per head: tiles of 8 latent rows (selected
+// positions under DSA) go through shared memory once for the 8 heads, double-buffered so the
+// next tile's loads are in flight while the current one is used; each warp keeps its head's
+// online softmax and rank accumulators and writes one partial per split, as decode attention does.
+__global__ void __launch_bounds__(kMlaHeads * 32) mla_attention_kernel(const float* __restrict__ q, MlaShape m,
+                                                                       float scale, int chunk,
+                                                                       const int32_t* __restrict__ positions,
+                                                                       KvLayer cache, AttentionSelect select,
+                                                                       float* __restrict__ part) {
+  extern __shared__ float4 tiles[];  // 2 x kTile x latent / 4
+  const int split = blockIdx.x, splits = gridDim.x, b = blockIdx.z;
+  const int lane = threadIdx.x & 31, h = blockIdx.y * kMlaHeads + (threadIdx.x >> 5);
+  const int lat = m.latent(), lat4 = lat / 4;
+  pdl_enter();
+  const bool active = h < m.heads;
+  const int len = select.index ? select.count[b] : positions[b] + 1;
+  const int32_t* chosen = select.index ? select.index + size_t(b) * select.stride : nullptr;
+  const int begin = split * chunk, end = min(len, begin + chunk);
+  float qr[kMaxKPer], acc[kMaxVPer];
+  #pragma unroll
+  for (int i = 0; i < kMaxKPer; ++i) {
+    const int d = lane + 32 * i;
+    qr[i] = active && d < lat ? q[(size_t(b) * m.heads + h) * lat + d] * scale : 0.0f;
+  }
+  #pragma unroll
+  for (int i = 0; i < kMaxVPer; ++i) acc[i] = 0.0f;
+  float mx = -FLT_MAX, l = 0.0f;
+  const float4* base = reinterpret_cast<const float4*>(cache.k + size_t(b) * cache.seq_stride);
+  float4 stage[kStage];
+  auto fetch = [&](int t0) {
+    const int n = min(kTile, end - t0);
+    #pragma unroll
+    for (int k = 0; k < kStage; ++k) {
+      const int v = threadIdx.x + k * kMlaHeads * 32;
+      if (v < n * lat4) {
+        const int u = v / lat4, p = chosen ? chosen[t0 + u] : t0 + u;
+        stage[k] = base[size_t(p) * lat4 + v % lat4];
+      }
+    }
+  };
+  auto commit = [&](int t0, float4* tile) {
+    const int n = min(kTile, end - t0);
+    #pragma unroll
+    for (int k = 0; k < kStage; ++k) {
+      const int v = threadIdx.x + k * kMlaHeads * 32;
+      if (v < n * lat4) tile[v] = stage[k];
+    }
+  };
+  if (begin < end) {
+    fetch(begin);
+    commit(begin, tiles);
+  }
+  __syncthreads();
+  int buf = 0;
+  for (int t0 = begin; t0 < end; t0 += kTile, buf ^= 1) {
+    const bool more = t0 + kTile < end;
+    if (more) fetch(t0 + kTile);
+    const float* tile = reinterpret_cast<const float*>(tiles + buf * kTile * lat4);
+    const int n = min(kTile, end - t0);
+    if (active) {
+      for (int u = 0; u < n; ++u) {
+        const float* row = tile + u * lat;
+        float sc = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < kMaxKPer; ++i)
+          if (lane + 32 * i < lat) sc = fmaf(qr[i], row[lane + 32 * i], sc);
+        sc = warp_sum(sc);
+        const float mn = fmaxf(mx, sc), corr = __expf(mx - mn), pw = __expf(sc - mn);
+        l = l * corr + pw;
+        #pragma unroll
+        for (int i = 0; i < kMaxVPer; ++i)
+          if (lane + 32 * i < m.rank) acc[i] = fmaf(pw, row[lane + 32 * i], acc[i] * corr);
+        mx = mn;
+      }
+    }
+    if (more) commit(t0 + kTile, tiles + (buf ^ 1) * kTile * lat4);
+    __syncthreads();
+  }
+  if (!active) return;
+  float* out = part + ((size_t(b) * m.heads + h) * splits + split) * (m.rank + 2);
+  #pragma unroll
+  for (int i = 0; i < kMaxVPer; ++i)
+    if (lane + 32 * i < m.rank) out[lane + 32 * i] = acc[i];
+  if (lane == 0) out[m.rank] = mx, out[m.rank + 1] = l;
 }
 
 constexpr int kOutWarps = 8;
@@ -66,7 +192,7 @@ __global__ void __launch_bounds__(kOutWarps * 32) mla_output_kernel(const float*
   pdl_enter();
   if (n >= m.heads * m.v) return;
   const int h = n / m.v, e = n % m.v;
-  const float* a = att + (size_t(b) * m.heads + h) * m.latent();
+  const float* a = att + (size_t(b) * m.heads + h) * m.rank;
   const size_t w0 = (size_t(h) * (m.nope + m.v) + m.nope + e) * m.rank;
   float acc = 0.0f;
   for (int c = lane; c < m.rank; c += 32) acc = fmaf(a[c], bf16_at(kv_b.data, w0 + c), acc);
@@ -108,39 +234,56 @@ __global__ void index_prep_kernel(float* __restrict__ iq, const float* __restric
     dst[i] = i < x.rope ? rotated(v, i, pos, rope.inv_freq, rope.scaling, x.rope, rope.interleaved) : v[i];
 }
 
-constexpr int kScoreWarps = 8, kMaxIndexPer = 8;  // index_head_dim up to 256
+constexpr int kScoreThreads = 128, kScoreLanes = 16, kMaxIndexHeads = 64;
+constexpr int kHeadsPerLane = kMaxIndexHeads / kScoreLanes;
 
-// One warp per cached position; the row's queries and head weights sit in shared memory.
-__global__ void __launch_bounds__(kScoreWarps * 32) index_scores_kernel(const float* __restrict__ iq,
-                                                                        const float* __restrict__ iw, IndexerShape x,
-                                                                        const int32_t* __restrict__ positions,
-                                                                        KvLayer cache, int max_context,
-                                                                        float* __restrict__ scores) {
-  extern __shared__ float sm[];  // heads * dim queries, then heads weights
-  const int b = blockIdx.y, lane = threadIdx.x & 31;
-  const int j = blockIdx.x * kScoreWarps + (threadIdx.x >> 5);
+// Sixteen threads per cached position, each with a sixteenth of the heads: the key is read in
+// float4 pieces (one address for the sixteen), each piece meeting the thread's heads' queries in
+// shared memory before the next is loaded; four shuffles add the parts.
+__global__ void __launch_bounds__(kScoreThreads) index_scores_kernel(const float* __restrict__ iq,
+                                                                     const float* __restrict__ iw, IndexerShape x,
+                                                                     const int32_t* __restrict__ positions,
+                                                                     KvLayer cache, int max_context,
+                                                                     float* __restrict__ scores) {
+  // Queries in rows of dim + 4 floats: lane g reads head g + 16k, so the eight lanes of a 16-byte
+  // load phase hit eight different groups of four banks.
+  extern __shared__ float sm[];  // heads * (dim + 4) queries, then heads weights
+  const int b = blockIdx.y, g = threadIdx.x % kScoreLanes, stride = x.dim + 4;
+  const int j = blockIdx.x * (kScoreThreads / kScoreLanes) + threadIdx.x / kScoreLanes;
   pdl_enter();
   float* qs = sm;
-  float* ws = sm + x.heads * x.dim;
-  for (int i = threadIdx.x; i < x.heads * x.dim; i += blockDim.x) qs[i] = iq[size_t(b) * x.heads * x.dim + i];
+  float* ws = sm + x.heads * stride;
+  for (int i = threadIdx.x; i < x.heads * x.dim; i += blockDim.x)
+    qs[(i / x.dim) * stride + i % x.dim] = iq[size_t(b) * x.heads * x.dim + i];
   const float head_weight = rsqrtf(float(x.heads)), scale = rsqrtf(float(x.dim));
   for (int i = threadIdx.x; i < x.heads; i += blockDim.x) ws[i] = iw[size_t(b) * x.heads + i] * head_weight;
   __syncthreads();
-  if (j > positions[b]) return;
-  const float* key = cache.k + size_t(b) * cache.seq_stride + size_t(j) * x.dim;
-  float kr[kMaxIndexPer];
-  #pragma unroll
-  for (int i = 0; i < kMaxIndexPer; ++i) kr[i] = lane + 32 * i < x.dim ? key[lane + 32 * i] : 0.0f;
-  float s = 0.0f;
-  for (int h = 0; h < x.heads; ++h) {
-    float d = 0.0f;
+  const bool live = j <= positions[b];
+  float sc = 0.0f;
+  if (live) {
+    const float4* key = reinterpret_cast<const float4*>(cache.k + size_t(b) * cache.seq_stride + size_t(j) * x.dim);
+    float dot[kHeadsPerLane];
     #pragma unroll
-    for (int i = 0; i < kMaxIndexPer; ++i)
-      if (lane + 32 * i < x.dim) d = fmaf(qs[h * x.dim + lane + 32 * i], kr[i], d);
-    d = warp_sum(d);
-    s = fmaf(ws[h], fmaxf(d * scale, 0.0f), s);
+    for (int k = 0; k < kHeadsPerLane; ++k) dot[k] = 0.0f;
+    for (int c = 0; c < x.dim / 4; ++c) {
+      const float4 kv = key[c];
+      #pragma unroll
+      for (int k = 0; k < kHeadsPerLane; ++k) {
+        const int h = g + kScoreLanes * k;
+        if (h >= x.heads) break;
+        const float4 qv = reinterpret_cast<const float4*>(qs + h * stride)[c];
+        dot[k] = fmaf(qv.x, kv.x, fmaf(qv.y, kv.y, fmaf(qv.z, kv.z, fmaf(qv.w, kv.w, dot[k]))));
+      }
+    }
+    #pragma unroll
+    for (int k = 0; k < kHeadsPerLane; ++k) {
+      const int h = g + kScoreLanes * k;
+      if (h < x.heads) sc = fmaf(ws[h], fmaxf(dot[k] * scale, 0.0f), sc);
+    }
   }
-  if (lane == 0) scores[size_t(b) * max_context + j] = s;
+  #pragma unroll
+  for (int o = 1; o < kScoreLanes; o <<= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+  if (live && g == 0) scores[size_t(b) * max_context + j] = sc;
 }
 
 constexpr int kSelectThreads = 1024;
@@ -179,16 +322,38 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(const float
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
     __syncthreads();
-    for (int j = tid; j < len; j += blockDim.x) {
-      const uint32_t k = order_key(sc[j]);
-      if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1);
+    // Scores of similar size share their top bits, so the lanes of a warp that fall in one bin add
+    // their count with one atomic instead of contending for the same counter.
+    for (int j0 = 0; j0 < len; j0 += blockDim.x) {
+      const int j = j0 + tid;
+      const uint32_t k = j < len ? order_key(sc[j]) : 0u;
+      const int bin = j < len && (k & mask) == prefix ? int((k >> shift) & 255u) : -1;
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (bin >= 0 && __ffs(peers) - 1 == (tid & 31)) atomicAdd(&hist[bin], __popc(peers));
     }
     __syncthreads();
-    if (tid == 0) {
-      int above = 0, bin = 255;
-      for (; bin > 0 && above + hist[bin] < want; --bin) above += hist[bin];
-      s_bin = bin;
-      s_want = want - above;
+    if (tid < 32) {
+      // Lane l holds bins 255 - 8l down to 248 - 8l; a scan over lanes gives the count above each.
+      int cnt[8], total = 0;
+      #pragma unroll
+      for (int k = 0; k < 8; ++k) total += cnt[k] = hist[255 - 8 * tid - k];
+      int incl = total;
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (tid >= o) incl += v;
+      }
+      int above = incl - total;
+      const unsigned here = __ballot_sync(0xffffffffu, above < want && want <= incl);
+      if (tid == __ffs(here) - 1) {
+        for (int k = 0; k < 8; ++k) {
+          if (above + cnt[k] >= want) {
+            s_bin = 255 - 8 * tid - k;
+            s_want = want - above;
+            break;
+          }
+          above += cnt[k];
+        }
+      }
     }
     __syncthreads();
     prefix |= uint32_t(s_bin) << shift;
@@ -217,6 +382,13 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(const float
 
 }  // namespace
 
+AttentionSplit mla_split(int max_context) {
+  AttentionSplit s;
+  s.splits = std::min(64, std::max(1, (max_context + 63) / 64));
+  s.chunk = (max_context + s.splits - 1) / s.splits;
+  return s;
+}
+
 void launch_mla_latent_store(const float* kv, int batch, const MlaShape& m, const float* norm, float eps,
                              const RopeArgs& rope, const int32_t* positions, KvLayer cache, cudaStream_t s) {
   launch(mla_latent_store_kernel, dim3(unsigned(batch)), dim3(256), size_t(m.latent()) * sizeof(float), s, kv, m,
@@ -226,9 +398,24 @@ void launch_mla_latent_store(const float* kv, int batch, const MlaShape& m, cons
 
 void launch_mla_query(const float* q, int batch, const MlaShape& m, const DLinear& kv_b, const RopeArgs& rope,
                       const int32_t* positions, float* q_latent, cudaStream_t s) {
-  launch(mla_query_kernel, dim3(unsigned(m.heads), unsigned(batch)), dim3(256),
-         size_t(m.nope + m.rope) * sizeof(float), s, q, m, kv_b, rope, positions, q_latent);
+  if (m.rank % 2 != 0) fail("CUDA MLA: kv_lora_rank must be even, got ", m.rank);
+  const size_t smem = size_t(kAbsorbRows * (m.nope + m.rope) + kAbsorbWarps * kAbsorbRows * 64) * sizeof(float);
+  launch(mla_query_kernel, dim3(unsigned((m.rank + 63) / 64), unsigned(m.heads), unsigned((batch + kAbsorbRows - 1) / kAbsorbRows)),
+         dim3(kAbsorbWarps * 32), smem, s, q, batch, m, kv_b, rope, positions, q_latent);
   KESTREL_CUDA_LAUNCHED();
+}
+
+void launch_mla_attention(const float* q_latent, int batch, const MlaShape& m, float scale, const int32_t* positions,
+                          KvLayer cache, const AttentionSplit& split, AttentionSelect select, float* scratch,
+                          float* out, cudaStream_t s) {
+  if (m.latent() > 32 * kMaxKPer || m.rank > 32 * kMaxVPer || m.latent() % 4 != 0)
+    fail("CUDA MLA attention supports kv_lora_rank + qk_rope_head_dim up to ", 32 * kMaxKPer,
+         " and a multiple of 4, got ", m.latent());
+  const dim3 grid(unsigned(split.splits), unsigned((m.heads + kMlaHeads - 1) / kMlaHeads), unsigned(batch));
+  launch(mla_attention_kernel, grid, dim3(kMlaHeads * 32), size_t(2 * kTile * m.latent()) * sizeof(float), s, q_latent, m,
+         scale, split.chunk, positions, cache, select, scratch);
+  KESTREL_CUDA_LAUNCHED();
+  launch_attention_combine(scratch, batch, m.heads, m.rank, split, out, s);
 }
 
 void launch_mla_output(const float* att, int batch, const MlaShape& m, const DLinear& kv_b, float* out, cudaStream_t s) {
@@ -249,11 +436,13 @@ void launch_index_prep(float* iq, const float* ik, int batch, const IndexerShape
 void launch_index_scores(const float* iq, const float* iw, int batch, const IndexerShape& x,
                          const int32_t* positions, KvLayer index_cache, int max_context, float* scores,
                          cudaStream_t s) {
-  if (x.dim > 32 * kMaxIndexPer) fail("CUDA indexer supports index_head_dim up to ", 32 * kMaxIndexPer, ", got ", x.dim);
-  const size_t smem = size_t(x.heads * x.dim + x.heads) * sizeof(float);
+  if (x.heads > kMaxIndexHeads) fail("CUDA indexer supports up to ", kMaxIndexHeads, " index heads, got ", x.heads);
+  if (x.dim % 4 != 0) fail("CUDA indexer needs index_head_dim to be a multiple of 4, got ", x.dim);
+  const size_t smem = size_t(x.heads * (x.dim + 4) + x.heads) * sizeof(float);
   if (smem > 48 * 1024) fail("CUDA indexer: ", x.heads, " heads of ", x.dim, " need more than 48 KiB of shared memory");
-  launch(index_scores_kernel, dim3(unsigned((max_context + kScoreWarps - 1) / kScoreWarps), unsigned(batch)),
-         dim3(kScoreWarps * 32), smem, s, iq, iw, x, positions, index_cache, max_context, scores);
+  constexpr int per_block = kScoreThreads / kScoreLanes;
+  launch(index_scores_kernel, dim3(unsigned((max_context + per_block - 1) / per_block), unsigned(batch)),
+         dim3(kScoreThreads), smem, s, iq, iw, x, positions, index_cache, max_context, scores);
   KESTREL_CUDA_LAUNCHED();
 }
 

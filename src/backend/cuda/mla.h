@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "backend/cuda/attention.h"
 #include "backend/cuda/dlinear.h"
 #include "backend/cuda/norm_rope.h"
 
@@ -29,8 +30,26 @@ void launch_mla_latent_store(const float* kv, int batch, const MlaShape& m, cons
 void launch_mla_query(const float* q, int batch, const MlaShape& m, const DLinear& kv_b, const RopeArgs& rope,
                       const int32_t* positions, float* q_latent, cudaStream_t s);
 
-// att: [B, heads, latent] (attention over the latent rows; the first rank values count).
-// out[b, h * v + e] = att[b, h, :rank] . W_UV_h[e] with W_UV_h = rows h * (nope + v) + nope .. + v.
+// Sparse attention (DSA): row b attends to the count[b] positions index[b * stride ..] only.
+struct AttentionSelect {
+  const int32_t* index = nullptr;  // null: every position 0..positions[b]
+  const int32_t* count = nullptr;
+  int stride = 0;
+};
+
+// How MLA attention cuts the positions: at most 64 splits of at least 64 positions (measured on
+// the H200 at GLM-5's shape: chunks of 16 positions were slower, the per-block start-up dominating).
+AttentionSplit mla_split(int max_context);
+
+// Attention of every head over the latent rows of its sequence (keys: the whole row; values: the
+// first rank values), split over positions like decode attention; a block serves 8 heads so each
+// row is read once per 8 heads. q_latent: [B, heads, latent]; out: [B, heads, rank].
+void launch_mla_attention(const float* q_latent, int batch, const MlaShape& m, float scale, const int32_t* positions,
+                          KvLayer cache, const AttentionSplit& split, AttentionSelect select, float* scratch,
+                          float* out, cudaStream_t s);
+
+// att: [B, heads, rank] (attention over the latent rows).
+// out[b, h * v + e] = att[b, h] . W_UV_h[e] with W_UV_h = rows h * (nope + v) + nope .. + v.
 void launch_mla_output(const float* att, int batch, const MlaShape& m, const DLinear& kv_b, float* out, cudaStream_t s);
 
 struct IndexerShape {

@@ -14,9 +14,10 @@ constexpr int kMaxExperts = 1024;
 constexpr int kGateUpRows = 4;  // gate rows (and as many up rows) per warp in gate_up_kernel
 constexpr int kDownRows = 4;    // rows per warp in down_kernel (8 spills registers)
 
-// Largest value in v[0..n) (ties: lowest index) across one warp. Returns the index.
+// Largest value in v[0..n) (ties: lowest index) across one warp. Returns the index, always in
+// range: NaN logits (a diverged model) must not turn into an expert id past the end.
 __device__ int warp_argmax(const float* v, int n, int lane) {
-  float best = -FLT_MAX;
+  float best = -INFINITY;
   int idx = n;
   for (int i = lane; i < n; i += 32)
     if (v[i] > best || (v[i] == best && i < idx)) best = v[i], idx = i;
@@ -25,7 +26,7 @@ __device__ int warp_argmax(const float* v, int n, int lane) {
     const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
     if (ob > best || (ob == best && oi < idx)) best = ob, idx = oi;
   }
-  return idx;
+  return min(idx, n - 1);
 }
 
 // One warp per token selects experts from the router logits.
