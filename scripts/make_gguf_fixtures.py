@@ -80,6 +80,13 @@ def random_blocks(qtype, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
     if qtype in fields and n_blocks > 1:
         # One block with a subnormal scale, to cover the f16 conversion's corner.
         b[0, fields[qtype][0]:fields[qtype][0] + 2] = np.array([0x37, 0x00], dtype=np.uint8)
+    if qtype == T.MXFP4:
+        # E8M0 exponents around 2^0 (values stay finite), and the two subnormal halves 0 and 1.
+        b[:, 0] = rng.integers(110, 140, size=n_blocks)
+        b[0, 0], b[-1, 0] = 0, 1
+    if qtype == T.NVFP4 and n_blocks > 1:
+        # Random UE4M3 scale bytes cover zero, subnormals and bit 7; add 0x7f (E4M3's NaN, read as 0).
+        b[1, 2] = 0x7F
     return b
 
 
@@ -88,7 +95,7 @@ def make_quants(rng):
     from gguf.quants import dequantize
 
     T = gguf.GGMLQuantizationType
-    types = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+    types = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4, T.NVFP4]
     path = OUT / "quants.gguf"
     w = gguf.GGUFWriter(str(path), arch="kestrel-test")
     w.add_string("kestrel.note", "random blocks; TYPE.expected = gguf-py dequantize(TYPE)")

@@ -244,7 +244,8 @@ class GgufLoader {
     auto f = weight_format_of(t.type);
     if (!f)
       fail(g_.where_tensor(t.name), ": ggml type ", ggml_type_name(uint32_t(t.type)),
-           " is not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)");
+           " is not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, "
+           "NVFP4)");
     return *f;
   }
 

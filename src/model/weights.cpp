@@ -29,6 +29,8 @@ const char* format_name(WeightFormat f) {
     case WeightFormat::Q4_K: return "Q4_K";
     case WeightFormat::Q5_K: return "Q5_K";
     case WeightFormat::Q6_K: return "Q6_K";
+    case WeightFormat::MXFP4: return "MXFP4";
+    case WeightFormat::NVFP4_GGML: return "NVFP4_GGML";
   }
   return "?";
 }
@@ -38,7 +40,7 @@ namespace {
 // GGUF block formats in WeightFormat order, starting at Q8_0.
 constexpr GgmlType kGgmlBlockTypes[] = {GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0,
                                         GgmlType::Q5_1, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K,
-                                        GgmlType::Q5_K, GgmlType::Q6_K};
+                                        GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::MXFP4, GgmlType::NVFP4};
 constexpr int kFirstGgml = int(WeightFormat::Q8_0);
 static_assert(kFirstGgml + int(std::size(kGgmlBlockTypes)) == kWeightFormatCount);
 
@@ -102,6 +104,8 @@ void Linear::dequant_row(int64_t row, float* o) const {
       return;
     default:
       ggml_dequant_row(ggml_type_of(format), data + size_t(row) * row_bytes(), in, o);
+      if (scale2 != 1.0f)
+        for (int64_t i = 0; i < in; ++i) o[i] *= scale2;
       return;
   }
 }
