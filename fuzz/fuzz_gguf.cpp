@@ -56,6 +56,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       check(L.moe.router);
       for (const auto& e : L.moe.experts)
         for (const Linear* l : {&e.gate, &e.up, &e.down}) check(*l);
+      if (L.moe.has_shared)
+        for (const Linear* l : {&L.moe.shared.gate, &L.moe.shared.up, &L.moe.shared.down}) check(*l);
     }
   } catch (const Error&) {
   }

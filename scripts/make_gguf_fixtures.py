@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """GGUF fixtures and reference outputs for kestrel's tests.
 
-    python3 scripts/make_gguf_fixtures.py                   # quants, models (llama, qwen2, qwen3moe), seeds
-    python3 scripts/make_gguf_fixtures.py --only quants models
+    python3 scripts/make_gguf_fixtures.py                   # quants, models (llama, qwen2, qwen3moe), glm4moe, seeds
+    python3 scripts/make_gguf_fixtures.py --only quants glm4moe
     python3 scripts/make_gguf_fixtures.py --only smollm2    # needs scripts/fetch_model.sh first
 
 Needs numpy, gguf (gguf-py 0.19), safetensors, torch and transformers 5.x.
 
 Writes into tests/fixtures/gguf/:
-  quants.gguf     random blocks of every ggml type kestrel dequantizes (tensor TYPE, two rows)
+  quants.gguf     random blocks of every ggml type kestrel dequantizes (tensor TYPE, two rows;
+                  MXFP4 and NVFP4 included)
                   with gguf-py's dequantization of them (F32 tensor TYPE.expected)
   NAME.gguf       a tiny model converted from tests/fixtures/SOURCE the way llama.cpp's
                   converter does (tensor names, ggml dims order, Q/K row permutation for
@@ -341,6 +342,197 @@ def make_models():
 
 
 # ---------------------------------------------------------------------------------------------
+# glm4moe: transformers cannot read it from GGUF, so the reference is transformers' own
+# Glm4MoeForCausalLM (the source fixture's config) holding the GGUF's weights as gguf-py
+# dequantizes them.
+
+def quantize_nvfp4(x: np.ndarray):
+    """ggml NVFP4 blocks of x [..., K] (K % 64 == 0) and the per-tensor scale, in the layout of
+    llama.cpp's NVFP4 conversion: the scale is kept apart, as the tensor NAME.scale."""
+    gguf = gguf_mod()
+    from gguf.quants import NVFP4
+
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+    scale = np.float32(np.abs(x).max() / (6 * 448))
+    sub = (x / scale).astype(np.float32).reshape(-1, 16)
+    d = NVFP4.fp32_to_ue4m3(np.abs(sub).max(axis=1) / 6)
+    dval = NVFP4.ue4m3_to_fp32(d) * 2  # gguf-py halves it (its E2M1 table is doubled)
+    target = np.where(dval[:, None] > 0, sub / np.where(dval[:, None] > 0, dval[:, None], 1), 0)
+    codes = np.abs(target[..., None] - e2m1).argmin(axis=-1).astype(np.uint8)  # [n, 16]
+    packed = codes[:, :8] | (codes[:, 8:] << 4)
+    blocks = np.concatenate([d.reshape(-1, 4), packed.reshape(-1, 32)], axis=1)
+    _, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.NVFP4]
+    return blocks.reshape(*x.shape[:-1], x.shape[-1] // 64 * size), scale
+
+
+def make_glm4moe():
+    gguf = gguf_mod()
+    import torch
+    import transformers
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    T = gguf.GGMLQuantizationType
+    src, cfg, ref, st = load_source("glm4moe-bf16")
+    L, H, E = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["n_routed_experts"]
+    I, nh, nkv, hd = cfg["moe_intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    rope = cfg["rope_parameters"]
+    path = OUT / "glm4moe.gguf"
+    w = gguf.GGUFWriter(str(path), arch="glm4moe")
+    w.add_name("kestrel test glm4moe")
+    w.add_block_count(L + 1)  # one NextN/MTP block appended, as llama.cpp's converter keeps it
+    w.add_nextn_predict_layers(1)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(int(hd * rope["partial_rotary_factor"]))
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_expert_count(E)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(I)
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    w.add_expert_weights_norm(cfg["norm_topk_prob"])
+    w.add_expert_group_count(cfg["n_group"])
+    w.add_expert_group_used_count(cfg["topk_group"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    eos = cfg["eos_token_id"]
+    tiny_vocab(w, cfg["vocab_size"], cfg["bos_token_id"], eos[0] if isinstance(eos, list) else eos)
+
+    def nvfp4(name, x):
+        blocks, scale = quantize_nvfp4(x)
+        w.add_tensor(name + ".weight", blocks, raw_dtype=T.NVFP4)
+        w.add_tensor(name + ".scale", np.array([scale], dtype=np.float32))
+        w.add_tensor(name + ".input_scale", np.array([1.0], dtype=np.float32))  # unused (weight-only)
+
+    def nvfp4_experts(name, x):  # one scale per expert, shape [E]
+        parts = [quantize_nvfp4(x[e]) for e in range(x.shape[0])]
+        w.add_tensor(name + ".weight", np.stack([b for b, _ in parts]), raw_dtype=T.NVFP4)
+        w.add_tensor(name + ".scale", np.array([s for _, s in parts], dtype=np.float32))
+
+    put(w, "token_embd.weight", st["model.embed_tokens.weight"], T.Q8_0)
+    put(w, "output_norm.weight", st["model.norm.weight"], T.F32)
+    put(w, "output.weight", st["lm_head.weight"], T.BF16)
+    for i in range(L):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        put(w, b + "attn_norm.weight", st[p + "input_layernorm.weight"], T.F32)
+        put(w, b + "post_attention_norm.weight", st[p + "post_attention_layernorm.weight"], T.F32)
+        for proj, g, t in (("q", "attn_q", T.Q8_0), ("k", "attn_k", T.BF16), ("v", "attn_v", T.Q5_1)):
+            put(w, b + g + ".weight", st[p + f"self_attn.{proj}_proj.weight"], t)
+            put(w, b + g + ".bias", st[p + f"self_attn.{proj}_proj.bias"], T.F32)
+        put(w, b + "attn_output.weight", st[p + "self_attn.o_proj.weight"], T.Q8_0)
+        put(w, b + "attn_q_norm.weight", st[p + "self_attn.q_norm.weight"], T.F32)
+        put(w, b + "attn_k_norm.weight", st[p + "self_attn.k_norm.weight"], T.F32)
+        if i < cfg["first_k_dense_replace"]:
+            put(w, b + "ffn_gate.weight", st[p + "mlp.gate_proj.weight"], T.Q8_0)
+            put(w, b + "ffn_up.weight", st[p + "mlp.up_proj.weight"], T.Q5_0)
+            put(w, b + "ffn_down.weight", st[p + "mlp.down_proj.weight"], T.Q8_0)
+            continue
+        put(w, b + "ffn_gate_inp.weight", st[p + "mlp.gate.weight"], T.F32)
+        put(w, b + "exp_probs_b.bias", st[p + "mlp.gate.e_score_correction_bias"], T.F32)
+        gate_up = st[p + "mlp.experts.gate_up_proj"]  # [E, 2I, H], gate rows first
+        gate, up, down = gate_up[:, :I], gate_up[:, I:], st[p + "mlp.experts.down_proj"]
+        if i == 1:  # MXFP4 experts (as gpt-oss files), NVFP4 shared expert
+            for g, x in (("ffn_gate_exps", gate), ("ffn_up_exps", up), ("ffn_down_exps", down)):
+                put(w, b + g + ".weight", x, T.MXFP4)
+            nvfp4(b + "ffn_gate_shexp", st[p + "mlp.shared_experts.gate_proj.weight"])
+            nvfp4(b + "ffn_up_shexp", st[p + "mlp.shared_experts.up_proj.weight"])
+        else:  # NVFP4 experts with per-expert scales; rows of 32 (down) cannot be NVFP4 blocks of 64
+            nvfp4_experts(b + "ffn_gate_exps", gate)
+            nvfp4_experts(b + "ffn_up_exps", up)
+            put(w, b + "ffn_down_exps.weight", down, T.Q8_0)
+            put(w, b + "ffn_gate_shexp.weight", st[p + "mlp.shared_experts.gate_proj.weight"], T.Q8_0)
+            put(w, b + "ffn_up_shexp.weight", st[p + "mlp.shared_experts.up_proj.weight"], T.Q8_0)
+        put(w, b + "ffn_down_shexp.weight", st[p + "mlp.shared_experts.down_proj.weight"], T.Q8_0)
+    # The NextN block: random, only there to be skipped.
+    rng = np.random.default_rng(4)
+    r = lambda *shape: (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    b = f"blk.{L}."
+    for name, x in (("attn_norm.weight", 1 + r(H)), ("nextn.enorm.weight", 1 + r(H)), ("nextn.hnorm.weight", 1 + r(H)),
+                    ("nextn.shared_head_norm.weight", 1 + r(H)), ("exp_probs_b.bias", r(E)),
+                    ("ffn_gate_inp.weight", r(E, H)), ("nextn.eh_proj.weight", r(H, 2 * H))):
+        put(w, b + name, x, T.F32 if x.ndim == 1 or name.startswith("ffn_gate_inp") else T.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    # transformers with the dequantized GGUF weights (and their .scale factors).
+    t = {x.name: x for x in GGUFReader(str(path)).tensors}
+
+    def deq(name):
+        x = t[name + ".weight"]
+        v = np.asarray(dequantize(x.data, x.tensor_type), dtype=np.float32)
+        if name + ".scale" in t:
+            sc = np.asarray(t[name + ".scale"].data, dtype=np.float32)
+            v = v * (sc.reshape(-1, 1, 1) if v.ndim == 3 else sc[0])
+        return v
+
+    def vec(name):
+        return np.asarray(t[name].data, dtype=np.float32)
+
+    sd = {"model.embed_tokens.weight": deq("token_embd"), "model.norm.weight": vec("output_norm.weight"),
+          "lm_head.weight": deq("output")}
+    for i in range(L):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        sd[p + "input_layernorm.weight"] = vec(b + "attn_norm.weight")
+        sd[p + "post_attention_layernorm.weight"] = vec(b + "post_attention_norm.weight")
+        for proj, g in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v")):
+            sd[p + f"self_attn.{proj}_proj.weight"] = deq(b + g)
+            sd[p + f"self_attn.{proj}_proj.bias"] = vec(b + g + ".bias")
+        sd[p + "self_attn.o_proj.weight"] = deq(b + "attn_output")
+        sd[p + "self_attn.q_norm.weight"] = vec(b + "attn_q_norm.weight")
+        sd[p + "self_attn.k_norm.weight"] = vec(b + "attn_k_norm.weight")
+        if i < cfg["first_k_dense_replace"]:
+            for proj, g in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+                sd[p + f"mlp.{proj}.weight"] = deq(b + g)
+            continue
+        sd[p + "mlp.gate.weight"] = deq(b + "ffn_gate_inp")
+        sd[p + "mlp.gate.e_score_correction_bias"] = vec(b + "exp_probs_b.bias")
+        sd[p + "mlp.experts.gate_up_proj"] = np.concatenate([deq(b + "ffn_gate_exps"), deq(b + "ffn_up_exps")], axis=1)
+        sd[p + "mlp.experts.down_proj"] = deq(b + "ffn_down_exps")
+        for proj, g in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"), ("down_proj", "ffn_down_shexp")):
+            sd[p + f"mlp.shared_experts.{proj}.weight"] = deq(b + g)
+    config = transformers.AutoConfig.from_pretrained(str(src))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    model.load_state_dict({k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in sd.items()}, strict=True)
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ref["tokens"]])).logits[0].float().numpy()
+    (OUT / "glm4moe_logits.f32").write_bytes(logits.astype("<f4").tobytes())
+    meta = {
+        "gguf": path.name,
+        "source": "tests/fixtures/glm4moe-bf16",
+        "notes": "Weights of tests/fixtures/glm4moe-bf16 in GGUF as llama.cpp's converter names them (arch glm4moe: "
+                 "post_attention_norm, exp_probs_b, experts stacked in 3-D tensors, shared expert *_shexp, leading "
+                 "dense layer, partial rotary, a NextN block appended). Layer 1: MXFP4 experts, NVFP4 shared "
+                 "gate/up with NAME.scale; layer 2: NVFP4 gate/up experts with per-expert scales; Q8_0/Q5_0/Q5_1/BF16 "
+                 "elsewhere. transformers cannot read glm4moe GGUFs: the reference is Glm4MoeForCausalLM (source "
+                 "config) with the weights gguf-py dequantizes from this file, in float32, eager attention.",
+        "tokens": ref["tokens"],
+        "shape": list(logits.shape),
+        "logits": "glm4moe_logits.f32",
+        "source_logits": f"tests/fixtures/glm4moe-bf16/{ref['logits']}",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "gguf_py": importlib.metadata.version("gguf"),
+    }
+    (OUT / "glm4moe.json").write_text(json.dumps(meta, indent=1) + "\n")
+    src_logits = np.fromfile(src / ref["logits"], dtype="<f4").reshape(logits.shape)
+    rel = np.linalg.norm(logits - src_logits, axis=1) / np.linalg.norm(src_logits, axis=1)
+    print(f"wrote {path.relative_to(REPO)} ({path.stat().st_size} bytes); "
+          f"quantized vs glm4moe-bf16 logits: worst rel L2 {rel.max():.3e}")
+
+
+# ---------------------------------------------------------------------------------------------
 # The real model.
 
 def make_smollm2(model: Path):
@@ -484,8 +676,8 @@ def make_seeds(rng):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", nargs="*", choices=["quants", "models", "seeds", "smollm2"],
-                    default=["quants", "models", "seeds"])
+    ap.add_argument("--only", nargs="*", choices=["quants", "models", "glm4moe", "seeds", "smollm2"],
+                    default=["quants", "models", "glm4moe", "seeds"])
     ap.add_argument("--model", type=Path, default=SMOLLM2, help="SmolLM2 GGUF for --only smollm2")
     ap.add_argument("--seed", type=int, default=20251129)
     a = ap.parse_args()
@@ -495,6 +687,8 @@ def main():
         make_quants(rng)
     if "models" in a.only:
         make_models()
+    if "glm4moe" in a.only:
+        make_glm4moe()
     if "seeds" in a.only:
         make_seeds(np.random.default_rng(a.seed + 1))
     if "smollm2" in a.only:

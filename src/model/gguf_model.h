@@ -1,8 +1,11 @@
 // GGUF checkpoints (llama.cpp's format) mapped onto the same ModelConfig and weight views as
-// Hugging Face folders: general.architecture llama (also with experts, as Mixtral), qwen2, qwen3
-// and qwen3moe. Tensors stay in the mapped file in their ggml formats, except the Q and K rows of
-// llama, which llama.cpp's converter permutes and which are put back in Hugging Face order in
-// owned memory so that the half-split rotary applies unchanged.
+// Hugging Face folders: general.architecture llama (also with experts, as Mixtral), qwen2, qwen3,
+// qwen3moe and glm4moe (GLM-4.5/4.6/4.7: sigmoid router with correction bias, shared experts,
+// leading dense layers, partial rotary; its NextN/MTP blocks are skipped). Tensors stay in the
+// mapped file in their ggml formats, except the Q and K rows of llama, which llama.cpp's converter
+// permutes and which are put back in Hugging Face order in owned memory so that the half-split
+// rotary applies unchanged. MXFP4 and NVFP4 weights take their per-tensor scale from llama.cpp's
+// NAME.scale tensor.
 #pragma once
 #include <memory>
 #include <string>
