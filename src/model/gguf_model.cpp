@@ -432,8 +432,7 @@ class GgufLoader {
 
 }  // namespace
 
-ModelWeights gguf_model_weights(const GgufIndex& g, const ModelConfig& c, std::vector<std::vector<uint8_t>>& owned,
-                                bool progress) {
+ModelWeights gguf_model_weights(const GgufIndex& g, const ModelConfig& c, std::vector<std::vector<uint8_t>>& owned) {
   const Arch* arch = find_arch(g.get_str("general.architecture", ""));
   if (!arch) fail(g.label(), ": internal: configuration not made by gguf_model_config");
   const bool permuted = arch->permuted_qk;
@@ -481,19 +480,17 @@ ModelWeights gguf_model_weights(const GgufIndex& g, const ModelConfig& c, std::v
                         ld.linear(blk(i, "ffn_down_shexp"), h, sw, false)};
       }
     }
-    if (progress) std::fprintf(stderr, "\rloading layer %lld/%lld", (long long)i + 1, (long long)c.num_layers);
   }
-  if (progress) std::fprintf(stderr, "\n");
   ld.skip_blocks(c.num_layers, g.get_int(g.get_str("general.architecture", "") + ".block_count"));
   ld.check_all_used();
   return w;
 }
 
-std::unique_ptr<Model> load_gguf_model(const std::string& path, bool progress) {
+std::unique_ptr<Model> load_gguf_model(const std::string& path) {
   auto m = std::make_unique<Model>();
   m->gguf = std::make_unique<GgufFile>(path);
   m->config = gguf_model_config(m->gguf->index());
-  m->weights = gguf_model_weights(m->gguf->index(), m->config, m->owned, progress);
+  m->weights = gguf_model_weights(m->gguf->index(), m->config, m->owned);
   return m;
 }
 

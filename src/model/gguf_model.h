@@ -21,13 +21,12 @@ namespace kestrel {
 ModelConfig gguf_model_config(const GgufIndex& g);
 
 // Maps and loads a .gguf file.
-std::unique_ptr<Model> load_gguf_model(const std::string& path, bool progress = false);
+std::unique_ptr<Model> load_gguf_model(const std::string& path);
 
 // The weight views of a parsed GGUF image for configuration `c` (from gguf_model_config). Rows
 // rewritten at load go to `owned`, which must outlive the result. Every tensor of the file must be
 // used. For files in memory (the fuzzer); load_gguf_model wraps it.
-ModelWeights gguf_model_weights(const GgufIndex& g, const ModelConfig& c, std::vector<std::vector<uint8_t>>& owned,
-                                bool progress = false);
+ModelWeights gguf_model_weights(const GgufIndex& g, const ModelConfig& c, std::vector<std::vector<uint8_t>>& owned);
 
 // Row i of a llama Q or K projection in Hugging Face order is row gguf_unpermuted_row(i) of the
 // GGUF tensor (heads of head_dim rows each; llama.cpp interleaves the two rotary halves).

@@ -1,6 +1,5 @@
 #include "model/weights.h"
 
-#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <iterator>
@@ -288,21 +287,7 @@ class Loader {
   const ModelConfig& cfg_;
 };
 
-}  // namespace
-
-std::unique_ptr<Model> load_model(const std::string& path, bool progress) {
-  if (fs::is_regular_file(path)) {
-    if (!is_gguf_file(path)) fail(path, ": not a GGUF file (give a .gguf file or a Hugging Face model folder)");
-    return load_gguf_model(path, progress);
-  }
-  const std::string& dir = path;
-  if (fs::is_directory(dir) && !fs::exists(fs::path(dir) / "config.json")) {
-    std::vector<std::string> ggufs;
-    for (const auto& e : fs::directory_iterator(dir))
-      if (e.is_regular_file() && e.path().extension() == ".gguf") ggufs.push_back(e.path().string());
-    if (ggufs.size() == 1) return load_gguf_model(ggufs[0], progress);
-    if (ggufs.size() > 1) fail(dir, ": no config.json and ", ggufs.size(), " .gguf files in this folder: name one");
-  }
+std::unique_ptr<Model> load_folder(const std::string& dir) {
   auto m = std::make_unique<Model>();
   m->config = load_model_config(dir);
   m->checkpoint = std::make_unique<Checkpoint>(dir);
@@ -355,9 +340,27 @@ std::unique_ptr<Model> load_model(const std::string& path, bool progress) {
                             c.moe_intermediate_size * c.num_shared_experts);
       }
     }
-    if (progress) std::fprintf(stderr, "\rloading layer %lld/%lld", (long long)i + 1, (long long)c.num_layers);
   }
-  if (progress) std::fprintf(stderr, "\n");
+  return m;
+}
+
+}  // namespace
+
+std::unique_ptr<Model> load_model(const std::string& path, Progress progress) {
+  std::unique_ptr<Model> m;
+  if (fs::is_regular_file(path)) {
+    if (!is_gguf_file(path)) fail(path, ": not a GGUF file (give a .gguf file or a Hugging Face model folder)");
+    m = load_gguf_model(path);
+  } else if (fs::is_directory(path) && !fs::exists(fs::path(path) / "config.json")) {
+    std::vector<std::string> ggufs;
+    for (const auto& e : fs::directory_iterator(path))
+      if (e.is_regular_file() && e.path().extension() == ".gguf") ggufs.push_back(e.path().string());
+    if (ggufs.size() > 1) fail(path, ": no config.json and ", ggufs.size(), " .gguf files in this folder: name one");
+    m = ggufs.size() == 1 ? load_gguf_model(ggufs[0]) : load_folder(path);
+  } else {
+    m = load_folder(path);
+  }
+  if (progress_shown(progress)) read_weights_with_progress(*m, path);
   return m;
 }
 

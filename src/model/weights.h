@@ -10,6 +10,7 @@
 #include "formats/checkpoint.h"
 #include "formats/ggml_quants.h"
 #include "formats/gguf.h"
+#include "model/load_progress.h"
 #include "model/model_config.h"
 
 namespace kestrel {
@@ -85,8 +86,9 @@ struct Model {
 
 // Loads config and weights of a Hugging Face model folder, a .gguf file, or a folder holding one
 // .gguf file and no config.json, checking every tensor's presence, type and shape against the
-// configuration. `progress` prints one line per layer to stderr.
-std::unique_ptr<Model> load_model(const std::string& path, bool progress = false);
+// configuration. With progress shown, the weights are read at once with a progress line on
+// stderr (load_progress.h); otherwise they are read when first used.
+std::unique_ptr<Model> load_model(const std::string& path, Progress progress = Progress::Off);
 
 // Bytes of stored weights per format, and how many linears use each (for `inspect`).
 struct StorageStats {

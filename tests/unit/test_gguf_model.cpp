@@ -368,6 +368,23 @@ TEST(GgufModel, CliInspectAndLogits) {
   EXPECT_LE(worst_error(got, ref), kTolerance);
 }
 
+// Loading progress: one line rewritten in place, in the same form for a GGUF file and a folder,
+// only when asked (stderr is a pipe here, so the default shows nothing).
+TEST(GgufModel, CliLoadingProgress) {
+  test::TempDir tmp;
+  const std::string out = (tmp.path() / "l.f32").string();
+  for (const std::string& model : {gguf_path("glm4moe"), test::fixture_dir("glm4moe-bf16")}) {
+    auto r = test::run_kestrel("logits --model " + model + " --tokens 1,2,3 --out " + out + " --progress");
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("\rloading " + model + ": layer 1/3, "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("\rloading " + model + ": layer 3/3, "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("loaded " + model + ": 3 layers, "), std::string::npos) << r.output;
+    r = test::run_kestrel("logits --model " + model + " --tokens 1,2,3 --out " + out);
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_EQ(r.output.find("loading"), std::string::npos) << r.output;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // SmolLM2-135M-Instruct, Q4_1 (scripts/fetch_model.sh).
 
