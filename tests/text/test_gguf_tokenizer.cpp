@@ -141,6 +141,23 @@ TEST(GgufTokenizer, SentencePieceVariants) {
   }
 }
 
+TEST(GgufTokenizer, SentencePieceBosAndEosFollowTheFile) {
+  GgufVocab v = spm_vocab();
+  const std::vector<int32_t> plain = tokenizer_from_gguf(v).encode("hi", false);
+  v.add_bos = false;
+  v.has_add_bos = false;  // no key: BOS, as llama.cpp and transformers add it to these vocabularies
+  EXPECT_EQ(tokenizer_from_gguf(v).encode("hi").front(), 1);
+  v.has_add_bos = true;  // add_bos_token = false
+  EXPECT_EQ(tokenizer_from_gguf(v).encode("hi"), plain);
+  v.add_eos = true;
+  std::vector<int32_t> want = plain;
+  want.push_back(2);
+  EXPECT_EQ(tokenizer_from_gguf(v).encode("hi"), want);
+  v.add_bos = true;
+  want.insert(want.begin(), 1);
+  EXPECT_EQ(tokenizer_from_gguf(v).encode("hi"), want);
+}
+
 TEST(GgufTokenizer, SentencePieceStreamsByteFallbackWhole) {
   const Tokenizer tok = load_tokenizer_for_model(kSpm);
   const std::string text = "中文 and 🙂";
