@@ -1,7 +1,8 @@
 // Any byte string given to the GGUF reader either parses into metadata and tensors whose bytes
-// lie inside the input, or raises kestrel::Error; so do the model mapping, the vocabulary reader
-// and the dequantization of the first row of every tensor. Nothing else: no crash, no read out of
-// bounds, no absurd allocation.
+// lie inside the input, or raises kestrel::Error; so do the model mapping, the vocabulary reader,
+// the tokenizer built from the vocabulary (with a short text through it) and the dequantization of
+// the first row of every tensor. Nothing else: no crash, no read out of bounds, no absurd
+// allocation.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -11,6 +12,7 @@
 #include "formats/gguf.h"
 #include "formats/gguf_vocab.h"
 #include "model/gguf_model.h"
+#include "text/gguf_tokenizer.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace kestrel;
@@ -26,7 +28,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       ggml_dequant_row(t.type, t.data, t.dims[0], row.data());
     }
     try {
-      (void)read_gguf_vocab(g);
+      const text::Tokenizer tok = text::tokenizer_from_gguf(read_gguf_vocab(g), "fuzz.gguf");
+      const std::vector<int32_t> ids = tok.encode("Hello  w\xC3\xb6rld \xE4\xB8\xAD<s>\n");
+      (void)tok.decode(ids);
     } catch (const Error&) {
     }
     ModelConfig c = gguf_model_config(g);
@@ -56,6 +60,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       check(L.moe.router);
       for (const auto& e : L.moe.experts)
         for (const Linear* l : {&e.gate, &e.up, &e.down}) check(*l);
+      if (L.moe.has_shared)
+        for (const Linear* l : {&L.moe.shared.gate, &L.moe.shared.up, &L.moe.shared.down}) check(*l);
     }
   } catch (const Error&) {
   }

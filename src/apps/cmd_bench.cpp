@@ -190,7 +190,7 @@ int run_bench(const Options* o) {
     std::unique_ptr<Model> host;
     std::unique_ptr<cuda::DeviceModel> dm;
     if (!o->model.empty() && !o->random_weights) {
-      host = load_model(o->model, true);
+      host = load_model(o->model, Progress::On);
       dm = cuda::DeviceModel::upload(*host);
     } else {
       ModelConfig full =

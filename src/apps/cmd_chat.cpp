@@ -28,6 +28,7 @@ struct Options {
   ReplyOptions reply;
   int64_t context = 4096;
   int threads = 0;
+  Progress progress = Progress::Auto;
 };
 
 
@@ -42,6 +43,7 @@ Run add_chat(CLI::App& app) {
   add_reply_options(app, o->reply);
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   app.add_option("--device", o->device, "auto (the GPU when it can run the model), cpu or cuda");
+  add_progress_flag(app, o->progress);
   return [o]() {
     check_device_option(o->device);
     check_sampler_options(o->reply.sampling);
@@ -49,7 +51,7 @@ Run add_chat(CLI::App& app) {
     if (o->context < 2) fail("--context: must be at least 2, got ", o->context);
     if (!std::filesystem::exists(o->model)) fail(o->model, ": no such file or folder");
     const text::Tokenizer tok = text::load_tokenizer_for_model(o->model);
-    auto model = load_model(o->model);
+    auto model = load_model(o->model, o->progress);
     const text::ModelChat chat = text::load_model_chat(*model, o->model);
     if (model->config.max_position_embeddings > 0) o->context = std::min(o->context, model->config.max_position_embeddings);
     auto runner = Runner::make(*model, o->device, o->context, o->threads);

@@ -27,6 +27,7 @@ struct Options {
   ReplyOptions reply;
   int threads = 0;
   std::string device = "auto";
+  Progress progress = Progress::Auto;
 };
 
 
@@ -41,6 +42,7 @@ Run add_generate(CLI::App& app) {
   add_reply_options(app, o->reply);
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   app.add_option("--device", o->device, "auto (the GPU when it can run the model), cpu or cuda");
+  add_progress_flag(app, o->progress);
   return [o]() {
     check_device_option(o->device);
     if (o->reply.max_tokens < 0) fail("--max-tokens: must be >= 0, got ", o->reply.max_tokens);
@@ -49,7 +51,7 @@ Run add_generate(CLI::App& app) {
     if (!std::filesystem::exists(o->model)) fail(o->model, ": no such file or folder");
 
     const text::Tokenizer tok = text::load_tokenizer_for_model(o->model);
-    auto model = load_model(o->model);
+    auto model = load_model(o->model, o->progress);
 
     std::vector<int32_t> prompt;
     if (o->chat) {

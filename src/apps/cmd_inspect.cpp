@@ -46,7 +46,7 @@ Run add_inspect(CLI::App& app) {
     std::printf("storage\n");
     for (int f = 0; f < kWeightFormatCount; ++f)
       if (s.linears[f])
-        std::printf("  %-6s          %s in %zu matrices\n", format_name(WeightFormat(f)), human_bytes(double(s.bytes[f])).c_str(),
+        std::printf("  %-16s%s in %zu matrices\n", format_name(WeightFormat(f)), human_bytes(double(s.bytes[f])).c_str(),
                     s.linears[f]);
     std::printf("  other           %s (norms, biases, router bias, scales)\n", human_bytes(double(s.other_bytes)).c_str());
     if (m->checkpoint)

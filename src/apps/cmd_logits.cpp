@@ -38,6 +38,7 @@ struct Options {
   bool decode = false;
   int threads = 0;
   std::string device = "auto";
+  Progress progress = Progress::Auto;
 };
 
 }  // namespace
@@ -50,10 +51,11 @@ Run add_logits(CLI::App& app) {
   app.add_flag("--decode", o->decode, "Feed the tokens one at a time through the KV cache (decode path)");
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   app.add_option("--device", o->device, "auto (the GPU when it can run the model), cpu or cuda");
+  add_progress_flag(app, o->progress);
   return [o]() {
     check_device_option(o->device);
     const std::vector<int32_t> tokens = parse_tokens(o->tokens);
-    auto model = load_model(o->model);
+    auto model = load_model(o->model, o->progress);
     const int64_t V = model->config.vocab_size, T = int64_t(tokens.size());
     auto runner = Runner::make(*model, o->device, T, o->threads);
     std::vector<float> logits(static_cast<size_t>(T * V));

@@ -25,6 +25,7 @@ struct Options {
   int port = 8000, max_batch = 16, threads = 0;
   int64_t context = 0, kv_tokens = 0;
   double grace = 10.0;
+  Progress progress = Progress::Auto;
 };
 
 }  // namespace
@@ -41,6 +42,7 @@ Run add_serve(CLI::App& app) {
   app.add_option("--kv-tokens", o->kv_tokens, "KV cache positions shared by all sequences (default 32 x context)");
   app.add_option("--grace", o->grace, "Seconds running requests get to finish on SIGINT/SIGTERM (default 10)");
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
+  add_progress_flag(app, o->progress);
   return [o]() {
     if (o->port < 0 || o->port > 65535) fail("--port: expected 0..65535, got ", o->port);
     if (o->grace < 0) fail("--grace: must be >= 0");
@@ -53,7 +55,7 @@ Run add_serve(CLI::App& app) {
     pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
     const text::Tokenizer tok = text::load_tokenizer_for_model(o->model);
-    auto model = load_model(o->model);
+    auto model = load_model(o->model, o->progress);
     std::optional<text::ModelChat> chat;
     try {
       chat = text::load_model_chat(*model, o->model);

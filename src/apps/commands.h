@@ -4,9 +4,18 @@
 #include <CLI/CLI.hpp>
 #include <functional>
 
+#include "model/load_progress.h"
+
 namespace kestrel::apps {
 
 using Run = std::function<int()>;
+
+// --progress for commands that load weights: Auto (a progress line when stderr is a terminal)
+// unless the flag asks for it always.
+inline void add_progress_flag(CLI::App& app, Progress& p) {
+  app.add_flag_callback("--progress", [&p] { p = Progress::On; },
+                        "Show model loading progress on stderr even when it is not a terminal");
+}
 
 Run add_inspect(CLI::App& app);
 Run add_logits(CLI::App& app);

@@ -24,6 +24,10 @@ class MappedFile {
   size_t size_ = 0;
 };
 
+// Brings the pages of [p, p + n), a range of a mapped file, into memory (reads them from disk if
+// they are not in the page cache yet), so that later accesses do not fault.
+void read_pages(const uint8_t* p, size_t n);
+
 // Reads a whole (small) text file; errors name the path.
 std::string read_text_file(const std::string& path);
 

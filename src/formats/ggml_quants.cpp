@@ -7,6 +7,7 @@
 #include "formats/ggml_quants.h"
 
 #include <array>
+#include <cmath>
 #include <cstring>
 
 #include "common/error.h"
@@ -31,7 +32,7 @@ constexpr std::array<Entry, 35> kTypes = {{
     {23, {"IQ4_XS", 256, 136, false}}, {24, {"I8", 1, 1, false}},     {25, {"I16", 1, 2, false}},
     {26, {"I32", 1, 4, false}},      {27, {"I64", 1, 8, false}},      {28, {"F64", 1, 8, false}},
     {29, {"IQ1_M", 256, 56, false}}, {30, {"BF16", 1, 2, true}},      {34, {"TQ1_0", 256, 54, false}},
-    {35, {"TQ2_0", 256, 66, false}}, {39, {"MXFP4", 32, 17, false}},  {40, {"NVFP4", 64, 36, false}},
+    {35, {"TQ2_0", 256, 66, false}}, {39, {"MXFP4", 32, 17, true}},   {40, {"NVFP4", 64, 36, true}},
     {41, {"Q1_0", 128, 18, false}},  {0xffffffffu, {"", 0, 0, false}},
 }};
 
@@ -223,6 +224,54 @@ void q6_k(const uint8_t* __restrict b, float* __restrict y) {
   }
 }
 
+// E2M1 code -> value x 2: ggml's kvalues_mxfp4, shared by MXFP4 and NVFP4 (the scales absorb the 1/2).
+constexpr int8_t kE2m1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// MXFP4: an E8M0 exponent e, then 16 bytes of E2M1 codes (low nibbles values 0..15, high 16..31).
+// Half the scale, 2^(e - 128), as a float bit pattern: subnormal for e < 2, as ggml_e8m0_to_fp32_half.
+void mxfp4(const uint8_t* __restrict b, float* __restrict y) {
+  const uint32_t e = b[0];
+  const uint32_t bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+  float d;
+  std::memcpy(&d, &bits, 4);
+  const uint8_t* qs = b + 1;
+  for (int j = 0; j < 16; ++j) y[j] = d * float(kE2m1x2[qs[j] & 0xf]);
+  for (int j = 0; j < 16; ++j) y[j + 16] = d * float(kE2m1x2[qs[j] >> 4]);
+}
+
+// Unsigned E4M3 (bias 7, bit 7 ignored), halved, for every byte; 0x7f (NaN in E4M3) reads as 0,
+// as gguf-py decodes it.
+struct Ue4m3HalfTable {
+  std::array<float, 256> v;
+  Ue4m3HalfTable() {
+    for (int x = 0; x < 256; ++x) {
+      const int exp = (x >> 3) & 0xf, man = x & 7;
+      const float f = exp == 0 ? std::ldexp(float(man), -9) : std::ldexp(1.0f + float(man) / 8.0f, exp - 7);
+      v[size_t(x)] = x == 0x7f ? 0.0f : f * 0.5f;
+    }
+  }
+};
+const Ue4m3HalfTable& ue4m3_half_table() {
+  static const Ue4m3HalfTable t;
+  return t;
+}
+
+// NVFP4 (ggml): four UE4M3 scales, one per 16 values, then 4 x 8 bytes of E2M1 codes; in each
+// 16-value sub-block the low nibbles are values 0..7 and the high nibbles 8..15. The per-tensor
+// scale is a separate tensor (NAME.scale), applied by the weight view, not here.
+void nvfp4(const uint8_t* __restrict b, float* __restrict y) {
+  const auto& scale = ue4m3_half_table().v;
+  const uint8_t* qs = b + 4;
+  for (int s = 0; s < 4; ++s) {
+    const float d = scale[b[s]];
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t q = qs[8 * s + j];
+      y[16 * s + j] = d * float(kE2m1x2[q & 0xf]);
+      y[16 * s + j + 8] = d * float(kE2m1x2[q >> 4]);
+    }
+  }
+}
+
 template <void (*Block)(const uint8_t*, float*), int N, int Bytes>
 void blocks(const uint8_t* src, int64_t n, float* out) {
   for (int64_t i = 0; i < n / N; ++i) Block(src + i * Bytes, out + i * N);
@@ -262,6 +311,8 @@ void ggml_dequant_row(GgmlType type, const uint8_t* src, int64_t n, float* out) 
     case GgmlType::Q4_K: return blocks<q4_k, 256, 144>(src, n, out);
     case GgmlType::Q5_K: return blocks<q5_k, 256, 176>(src, n, out);
     case GgmlType::Q6_K: return blocks<q6_k, 256, 210>(src, n, out);
+    case GgmlType::MXFP4: return blocks<mxfp4, 32, 17>(src, n, out);
+    case GgmlType::NVFP4: return blocks<nvfp4, 64, 36>(src, n, out);
     default: break;
   }
   fail("internal: no dequantization for ggml ", ggml_type_name(uint32_t(type)));

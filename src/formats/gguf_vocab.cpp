@@ -7,6 +7,7 @@ namespace kestrel {
 GgufVocab read_gguf_vocab(const GgufIndex& g) {
   GgufVocab v;
   const std::string p = "tokenizer.ggml.";
+  v.architecture = g.get_str("general.architecture", "");
   v.model = g.get_str(p + "model", "");
   v.pre = g.get_str(p + "pre", "");
   v.tokens = g.get_str_array(p + "tokens");
@@ -43,6 +44,7 @@ GgufVocab read_gguf_vocab(const GgufIndex& g) {
   v.has_add_bos = g.has(p + "add_bos_token");
   v.add_bos = g.get_bool(p + "add_bos_token", false);
   v.add_eos = g.get_bool(p + "add_eos_token", false);
+  v.has_add_space_prefix = g.has(p + "add_space_prefix");
   v.add_space_prefix = g.get_bool(p + "add_space_prefix", false);
   v.chat_template = g.get_str("tokenizer.chat_template", "");
   const std::string named = "tokenizer.chat_template.";

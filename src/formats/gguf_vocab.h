@@ -11,6 +11,7 @@
 namespace kestrel {
 
 struct GgufVocab {
+  std::string architecture;         // general.architecture: some families build their tokenizer differently
   std::string model;                // tokenizer.ggml.model: "gpt2" (byte-level BPE), "llama" (SentencePiece), ...
   std::string pre;                  // tokenizer.ggml.pre: pre-tokenizer name, e.g. "smollm", "qwen2", "llama-bpe"
   std::vector<std::string> tokens;  // id -> token text (byte-level BPE spelling for "gpt2")
@@ -21,6 +22,7 @@ struct GgufVocab {
   int64_t bos = -1, eos = -1, eot = -1, eom = -1, unk = -1, pad = -1, sep = -1;  // -1: not set
   bool add_bos = false, add_eos = false, add_space_prefix = false;
   bool has_add_bos = false;         // whether tokenizer.ggml.add_bos_token was present
+  bool has_add_space_prefix = false;
   std::string chat_template;        // tokenizer.chat_template ("" if absent)
   std::map<std::string, std::string> named_templates;  // tokenizer.chat_template.NAME
 };

@@ -16,17 +16,30 @@ struct Arch {
   bool permuted_qk;       // llama.cpp's converter interleaves the rotary halves of Q and K rows
   bool needs_qkv_bias;
   bool needs_qk_norm;
+  const char* ffn_norm;   // the norm before the feed-forward block (Hugging Face post_attention_layernorm)
+  bool sigmoid_router;    // GLM-4.5 style: sigmoid scores, correction bias, shared experts
 };
 
 const Arch* find_arch(const std::string& name) {
   static const std::map<std::string, Arch> table = {
-      {"llama", {"LlamaForCausalLM", true, false, false}},
-      {"qwen2", {"Qwen2ForCausalLM", false, true, false}},
-      {"qwen3", {"Qwen3ForCausalLM", false, false, true}},
-      {"qwen3moe", {"Qwen3MoeForCausalLM", false, false, true}},
+      {"llama", {"LlamaForCausalLM", true, false, false, "ffn_norm", false}},
+      {"qwen2", {"Qwen2ForCausalLM", false, true, false, "ffn_norm", false}},
+      {"qwen3", {"Qwen3ForCausalLM", false, false, true, "ffn_norm", false}},
+      {"qwen3moe", {"Qwen3MoeForCausalLM", false, false, true, "ffn_norm", false}},
+      // llama.cpp names GLM-4.5's post_attention_layernorm attn_post_norm ("post_attention_norm").
+      {"glm4moe", {"Glm4MoeForCausalLM", false, false, false, "post_attention_norm", true}},
   };
   auto it = table.find(name);
   return it == table.end() ? nullptr : &it->second;
+}
+
+// Blocks past block_count - nextn_predict_layers are multi-token-prediction (NextN) layers, which
+// llama.cpp's converter appends to GLM-4.5 files; kestrel runs the main layers only.
+int64_t main_layer_count(const GgufIndex& g, const std::string& a, int64_t blocks) {
+  const int64_t nextn = g.get_int(a + "nextn_predict_layers", 0);
+  if (nextn < 0 || nextn >= blocks)
+    fail(g.where(a + "nextn_predict_layers"), ": ", nextn, " prediction layers for ", blocks, " blocks");
+  return blocks - nextn;
 }
 
 std::string blk(int64_t i, const char* what) { return cat("blk.", i, ".", what); }
@@ -92,6 +105,46 @@ RopeConfig gguf_rope(const GgufIndex& g, const std::string& a, int64_t head_dim,
   return r;
 }
 
+// GLM-4.5 routing, with the keys llama.cpp requires for glm4moe (expert_shared_count,
+// expert_weights_scale) and its defaults for the rest.
+void sigmoid_routing(const GgufIndex& g, const std::string& a, ModelConfig& m) {
+  const int64_t gating = g.get_int(a + "expert_gating_func", 2);
+  if (gating != 2) fail(g.where(a + "expert_gating_func"), ": ", gating, " is not sigmoid (2), which glm4moe needs");
+  m.router = RouterKind::SigmoidBias;
+  m.num_shared_experts = g.get_int(a + "expert_shared_count");
+  if (m.num_shared_experts < 0 || m.num_shared_experts > 64)
+    fail(g.where(a + "expert_shared_count"), ": ", m.num_shared_experts, " is out of range");
+  const double scale = g.get_float(a + "expert_weights_scale");
+  if (!(scale > 0 && scale < 1e6)) fail(g.where(a + "expert_weights_scale"), ": must be positive, got ", scale);
+  m.routed_scaling_factor = float(scale);
+  m.norm_topk_prob = g.get_bool(a + "expert_weights_norm", false);
+  m.n_group = g.get_int(a + "expert_group_count", 1);
+  m.topk_group = g.get_int(a + "expert_group_used_count", 1);
+  const std::string gk = a + "expert_group_count", uk = a + "expert_group_used_count";
+  positive(g, gk, m.n_group);
+  positive(g, uk, m.topk_group);
+  if (m.num_experts % m.n_group != 0)
+    fail(g.where(gk), ": ", m.n_group, " groups do not divide the ", m.num_experts, " experts");
+  if (m.topk_group > m.n_group) fail(g.where(uk), ": ", m.topk_group, " exceeds the ", m.n_group, " groups");
+  if (m.n_group > 1 && m.num_experts / m.n_group < 2)
+    fail(g.where(gk), ": group-limited routing needs at least 2 experts per group");
+  if (m.topk_group * (m.num_experts / m.n_group) < m.experts_per_token)
+    fail(g.where(uk), ": ", m.topk_group, " groups hold fewer experts than the ", m.experts_per_token, " chosen");
+}
+
+// The first leading_dense_block_count layers are dense, the rest sparse; the router tensors must
+// agree. Without the key (llama.cpp does not require it), the router tensors decide.
+void leading_dense_layers(const GgufIndex& g, const std::string& a, const ModelConfig& m) {
+  const std::string key = a + "leading_dense_block_count";
+  if (!g.has(key)) return;
+  const int64_t lead = g.get_int(key);
+  if (lead < 0 || lead > m.num_layers) fail(g.where(key), ": ", lead, " is not a layer count up to ", m.num_layers);
+  for (int64_t i = 0; i < m.num_layers; ++i)
+    if (m.is_moe_layer(i) != (i >= lead))
+      fail(g.where(key), ": ", lead, " dense layers, but layer ", i, (m.is_moe_layer(i) ? " has" : " has no"),
+           " router tensor '", blk(i, "ffn_gate_inp.weight"), "'");
+}
+
 }  // namespace
 
 int64_t gguf_unpermuted_row(int64_t i, int64_t head_dim) {
@@ -105,18 +158,19 @@ ModelConfig gguf_model_config(const GgufIndex& g) {
   const std::string arch = g.get_str("general.architecture", "");
   if (arch.empty()) fail(g.label(), ": missing metadata 'general.architecture'");
   const Arch* info = find_arch(arch);
-  if (!info) fail(g.where("general.architecture"), ": '", arch, "' is not supported (llama, qwen2, qwen3, qwen3moe)");
+  if (!info) fail(g.where("general.architecture"), ": '", arch, "' is not supported (llama, qwen2, qwen3, qwen3moe, glm4moe)");
   const std::string a = arch + ".";
   m.model_type = arch;
 
-  m.num_layers = g.get_int(a + "block_count");
-  positive(g, a + "block_count", m.num_layers);
-  if (m.num_layers > 1024) fail(g.where(a + "block_count"), ": ", m.num_layers, " layers is implausibly many");
+  const int64_t blocks = g.get_int(a + "block_count");
+  positive(g, a + "block_count", blocks);
+  if (blocks > 1024) fail(g.where(a + "block_count"), ": ", blocks, " layers is implausibly many");
+  m.num_layers = main_layer_count(g, a, blocks);
   m.hidden_size = g.get_int(a + "embedding_length");
   positive(g, a + "embedding_length", m.hidden_size);
-  m.num_heads = uniform_int(g, a + "attention.head_count", 0, m.num_layers);
+  m.num_heads = uniform_int(g, a + "attention.head_count", 0, blocks);
   positive(g, a + "attention.head_count", m.num_heads);
-  m.num_kv_heads = uniform_int(g, a + "attention.head_count_kv", m.num_heads, m.num_layers);
+  m.num_kv_heads = uniform_int(g, a + "attention.head_count_kv", m.num_heads, blocks);
   positive(g, a + "attention.head_count_kv", m.num_kv_heads);
   if (m.num_heads % m.num_kv_heads != 0)
     fail(g.where(a + "attention.head_count_kv"), ": ", m.num_kv_heads, " does not divide the head count ", m.num_heads);
@@ -127,7 +181,7 @@ ModelConfig gguf_model_config(const GgufIndex& g) {
   if (g.get_int(a + "attention.value_length", m.head_dim) != m.head_dim)
     fail(g.where(a + "attention.value_length"), ": differs from the key length ", m.head_dim,
          ", which is not supported");
-  m.intermediate_size = uniform_int(g, a + "feed_forward_length", 0, m.num_layers);
+  m.intermediate_size = uniform_int(g, a + "feed_forward_length", 0, blocks);
   m.rms_norm_eps = float(g.get_float(a + "attention.layer_norm_rms_epsilon"));
   if (!(m.rms_norm_eps > 0)) fail(g.where(a + "attention.layer_norm_rms_epsilon"), ": must be positive");
   m.max_position_embeddings = g.get_int(a + "context_length", 4096);
@@ -148,6 +202,8 @@ ModelConfig gguf_model_config(const GgufIndex& g) {
   m.tie_word_embeddings = g.find_tensor("output.weight") == nullptr;
 
   m.rope = gguf_rope(g, a, m.head_dim, m.max_position_embeddings);
+  if (g.has(a + "rope.dimension_sections"))
+    fail(g.where(a + "rope.dimension_sections"), ": multimodal rotary sections (M-RoPE) are not supported");
   if (info->permuted_qk && (m.head_dim % 2 != 0 || m.rope.rotary_dim != m.head_dim))
     fail(g.where(a + "rope.dimension_count"), ": llama files must rotate the whole head (", m.rope.rotary_dim,
          " of ", m.head_dim, ")");
@@ -176,15 +232,20 @@ ModelConfig gguf_model_config(const GgufIndex& g) {
     // llama with experts is Mixtral; its experts are as wide as the dense FFN would be.
     m.moe_intermediate_size = g.get_int(a + "expert_feed_forward_length", arch == "llama" ? m.intermediate_size : 0);
     positive(g, a + "expert_feed_forward_length", m.moe_intermediate_size);
-    m.router = RouterKind::Softmax;
-    m.norm_topk_prob = g.get_bool(a + "expert_weights_norm", true);  // llama.cpp renormalizes for these archs
-    if (g.has(a + "expert_shared_count") && g.get_int(a + "expert_shared_count") > 0)
-      fail(g.where(a + "expert_shared_count"), ": shared experts are not supported for ", arch);
+    if (info->sigmoid_router) {
+      sigmoid_routing(g, a, m);
+    } else {
+      m.router = RouterKind::Softmax;
+      m.norm_topk_prob = g.get_bool(a + "expert_weights_norm", true);  // llama.cpp renormalizes for these archs
+      if (g.has(a + "expert_shared_count") && g.get_int(a + "expert_shared_count") > 0)
+        fail(g.where(a + "expert_shared_count"), ": shared experts are not supported for ", arch);
+    }
     if (arch == "llama") {
       m.architecture = "MixtralForCausalLM";
       m.model_type = "llama (experts)";
     }
   }
+  if (info->sigmoid_router) leading_dense_layers(g, a, m);
   if (m.num_moe_layers() < m.num_layers) positive(g, a + "feed_forward_length", m.intermediate_size);
   m.architecture += " (GGUF)";
 
@@ -244,8 +305,34 @@ class GgufLoader {
     auto f = weight_format_of(t.type);
     if (!f)
       fail(g_.where_tensor(t.name), ": ggml type ", ggml_type_name(uint32_t(t.type)),
-           " is not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)");
+           " is not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, "
+           "NVFP4)");
     return *f;
+  }
+
+  // llama.cpp's per-tensor (or, for stacked experts, per-expert) weight scales of FP4 formats:
+  // BASE.scale multiplies the weights, one value per entry of `count`; BASE.input_scale is the
+  // activation scale of W4A4 checkpoints, which weight-only compute does not use.
+  std::vector<float> fp4_scales(const std::string& base, WeightFormat f, int64_t count) {
+    std::vector<float> out(size_t(count), 1.0f);
+    for (const std::string suffix : {".scale", ".input_scale"}) {
+      const std::string name = base + suffix;
+      if (!has(name)) continue;
+      const GgufTensor& t = get(name);
+      if (f != WeightFormat::MXFP4 && f != WeightFormat::NVFP4_GGML)
+        fail(g_.where_tensor(name), ": a weight scale is only supported on MXFP4 and NVFP4 weights, not ",
+             format_name(f));
+      if (t.type != GgmlType::F32) fail(g_.where_tensor(name), ": must be F32, found ", ggml_type_name(uint32_t(t.type)));
+      const bool weights = suffix == ".scale";
+      if (t.numel() != count && (weights || t.numel() != 1))
+        fail(g_.where_tensor(name), ": dims ", t.dims_str(), " hold ", t.numel(), " values, expected ", count);
+      if (!weights) continue;
+      for (int64_t k = 0; k < count; ++k) {
+        std::memcpy(&out[size_t(k)], t.data + 4 * k, 4);
+        if (!std::isfinite(out[size_t(k)])) fail(g_.where_tensor(name), ": value ", k, " is not finite");
+      }
+    }
+    return out;
   }
 
   // base.weight: ggml dims [in, out], i.e. out rows of in values.
@@ -258,6 +345,7 @@ class GgufLoader {
     l.in = in;
     l.format = format(t);
     l.data = t.data;
+    l.scale2 = fp4_scales(base, l.format, 1)[0];
     if (bias) l.bias = vec(base + ".bias", out);
     return l;
   }
@@ -284,6 +372,7 @@ class GgufLoader {
       const GgufTensor& t = get(blk(i, what) + std::string(".weight"));
       expect_dims(t, {cols, rows, e}, "the metadata (in, out, experts)");
       const WeightFormat f = format(t);
+      const std::vector<float> scale = fp4_scales(blk(i, what), f, e);
       for (int64_t x = 0; x < e; ++x) {
         Linear& l = out[size_t(x)].*member;
         l.name = cat(blk(i, what), ".", x);
@@ -291,6 +380,7 @@ class GgufLoader {
         l.in = cols;
         l.format = f;
         l.data = t.data + size_t(x) * size_t(rows) * l.row_bytes();
+        l.scale2 = scale[size_t(x)];
       }
     };
     stacked("ffn_gate_exps", w, h, &GatedFfn::gate);
@@ -315,6 +405,15 @@ class GgufLoader {
     l.data = owned_.back().data();
   }
 
+  // Marks every tensor of blocks first..end-1 as used (NextN layers kestrel does not run).
+  void skip_blocks(int64_t first, int64_t end) {
+    for (const auto& t : g_.tensors()) {
+      long long b = -1;
+      if (std::sscanf(t.name.c_str(), "blk.%lld.", &b) == 1 && b >= first && b < end)
+        used_.insert(t.name);
+    }
+  }
+
   // Every tensor of the file must have been consumed: one left over is a feature kestrel would
   // otherwise silently ignore.
   void check_all_used() const {
@@ -333,8 +432,7 @@ class GgufLoader {
 
 }  // namespace
 
-ModelWeights gguf_model_weights(const GgufIndex& g, const ModelConfig& c, std::vector<std::vector<uint8_t>>& owned,
-                                bool progress) {
+ModelWeights gguf_model_weights(const GgufIndex& g, const ModelConfig& c, std::vector<std::vector<uint8_t>>& owned) {
   const Arch* arch = find_arch(g.get_str("general.architecture", ""));
   if (!arch) fail(g.label(), ": internal: configuration not made by gguf_model_config");
   const bool permuted = arch->permuted_qk;
@@ -355,7 +453,7 @@ ModelWeights gguf_model_weights(const GgufIndex& g, const ModelConfig& c, std::v
   for (int64_t i = 0; i < c.num_layers; ++i) {
     LayerWeights& L = w.layers[size_t(i)];
     L.attn_norm = ld.vec(blk(i, "attn_norm.weight"), h);
-    L.ffn_norm = ld.vec(blk(i, "ffn_norm.weight"), h);
+    L.ffn_norm = ld.vec(blk(i, arch->ffn_norm) + std::string(".weight"), h);
     L.q = ld.linear(blk(i, "attn_q"), c.num_heads * hd, h, c.qkv_bias);
     L.k = ld.linear(blk(i, "attn_k"), c.num_kv_heads * hd, h, c.qkv_bias);
     L.v = ld.linear(blk(i, "attn_v"), c.num_kv_heads * hd, h, c.qkv_bias);
@@ -373,20 +471,26 @@ ModelWeights gguf_model_weights(const GgufIndex& g, const ModelConfig& c, std::v
       L.mlp = ld.ffn(i, c.intermediate_size);
     } else {
       L.moe.router = ld.linear(blk(i, "ffn_gate_inp"), c.num_experts, h, false);
+      if (c.router == RouterKind::SigmoidBias) L.moe.correction_bias = ld.vec(blk(i, "exp_probs_b.bias"), c.num_experts);
       L.moe.experts = ld.experts(i);
+      if (c.num_shared_experts > 0) {
+        L.moe.has_shared = true;
+        const int64_t sw = c.moe_intermediate_size * c.num_shared_experts;
+        L.moe.shared = {ld.linear(blk(i, "ffn_gate_shexp"), sw, h, false), ld.linear(blk(i, "ffn_up_shexp"), sw, h, false),
+                        ld.linear(blk(i, "ffn_down_shexp"), h, sw, false)};
+      }
     }
-    if (progress) std::fprintf(stderr, "\rloading layer %lld/%lld", (long long)i + 1, (long long)c.num_layers);
   }
-  if (progress) std::fprintf(stderr, "\n");
+  ld.skip_blocks(c.num_layers, g.get_int(g.get_str("general.architecture", "") + ".block_count"));
   ld.check_all_used();
   return w;
 }
 
-std::unique_ptr<Model> load_gguf_model(const std::string& path, bool progress) {
+std::unique_ptr<Model> load_gguf_model(const std::string& path) {
   auto m = std::make_unique<Model>();
   m->gguf = std::make_unique<GgufFile>(path);
   m->config = gguf_model_config(m->gguf->index());
-  m->weights = gguf_model_weights(m->gguf->index(), m->config, m->owned, progress);
+  m->weights = gguf_model_weights(m->gguf->index(), m->config, m->owned);
   return m;
 }
 

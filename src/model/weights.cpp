@@ -1,6 +1,5 @@
 #include "model/weights.h"
 
-#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <iterator>
@@ -29,6 +28,8 @@ const char* format_name(WeightFormat f) {
     case WeightFormat::Q4_K: return "Q4_K";
     case WeightFormat::Q5_K: return "Q5_K";
     case WeightFormat::Q6_K: return "Q6_K";
+    case WeightFormat::MXFP4: return "MXFP4";
+    case WeightFormat::NVFP4_GGML: return "NVFP4_GGML";
   }
   return "?";
 }
@@ -38,7 +39,7 @@ namespace {
 // GGUF block formats in WeightFormat order, starting at Q8_0.
 constexpr GgmlType kGgmlBlockTypes[] = {GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0,
                                         GgmlType::Q5_1, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K,
-                                        GgmlType::Q5_K, GgmlType::Q6_K};
+                                        GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::MXFP4, GgmlType::NVFP4};
 constexpr int kFirstGgml = int(WeightFormat::Q8_0);
 static_assert(kFirstGgml + int(std::size(kGgmlBlockTypes)) == kWeightFormatCount);
 
@@ -102,6 +103,8 @@ void Linear::dequant_row(int64_t row, float* o) const {
       return;
     default:
       ggml_dequant_row(ggml_type_of(format), data + size_t(row) * row_bytes(), in, o);
+      if (scale2 != 1.0f)
+        for (int64_t i = 0; i < in; ++i) o[i] *= scale2;
       return;
   }
 }
@@ -322,21 +325,7 @@ void load_mla(Loader& ld, const ModelConfig& c, int64_t layer, const std::string
   }
 }
 
-}  // namespace
-
-std::unique_ptr<Model> load_model(const std::string& path, bool progress) {
-  if (fs::is_regular_file(path)) {
-    if (!is_gguf_file(path)) fail(path, ": not a GGUF file (give a .gguf file or a Hugging Face model folder)");
-    return load_gguf_model(path, progress);
-  }
-  const std::string& dir = path;
-  if (fs::is_directory(dir) && !fs::exists(fs::path(dir) / "config.json")) {
-    std::vector<std::string> ggufs;
-    for (const auto& e : fs::directory_iterator(dir))
-      if (e.is_regular_file() && e.path().extension() == ".gguf") ggufs.push_back(e.path().string());
-    if (ggufs.size() == 1) return load_gguf_model(ggufs[0], progress);
-    if (ggufs.size() > 1) fail(dir, ": no config.json and ", ggufs.size(), " .gguf files in this folder: name one");
-  }
+std::unique_ptr<Model> load_folder(const std::string& dir) {
   auto m = std::make_unique<Model>();
   m->config = load_model_config(dir);
   m->checkpoint = std::make_unique<Checkpoint>(dir);
@@ -393,9 +382,27 @@ std::unique_ptr<Model> load_model(const std::string& path, bool progress) {
                             c.moe_intermediate_size * c.num_shared_experts);
       }
     }
-    if (progress) std::fprintf(stderr, "\rloading layer %lld/%lld", (long long)i + 1, (long long)c.num_layers);
   }
-  if (progress) std::fprintf(stderr, "\n");
+  return m;
+}
+
+}  // namespace
+
+std::unique_ptr<Model> load_model(const std::string& path, Progress progress) {
+  std::unique_ptr<Model> m;
+  if (fs::is_regular_file(path)) {
+    if (!is_gguf_file(path)) fail(path, ": not a GGUF file (give a .gguf file or a Hugging Face model folder)");
+    m = load_gguf_model(path);
+  } else if (fs::is_directory(path) && !fs::exists(fs::path(path) / "config.json")) {
+    std::vector<std::string> ggufs;
+    for (const auto& e : fs::directory_iterator(path))
+      if (e.is_regular_file() && e.path().extension() == ".gguf") ggufs.push_back(e.path().string());
+    if (ggufs.size() > 1) fail(path, ": no config.json and ", ggufs.size(), " .gguf files in this folder: name one");
+    m = ggufs.size() == 1 ? load_gguf_model(ggufs[0]) : load_folder(path);
+  } else {
+    m = load_folder(path);
+  }
+  if (progress_shown(progress)) read_weights_with_progress(*m, path);
   return m;
 }
 

@@ -10,13 +10,17 @@
 #include "formats/checkpoint.h"
 #include "formats/ggml_quants.h"
 #include "formats/gguf.h"
+#include "model/load_progress.h"
 #include "model/model_config.h"
 
 namespace kestrel {
 
-// The first four values are mirrored by the CUDA backend; GGUF block formats follow.
-enum class WeightFormat : uint8_t { F32, F16, BF16, NVFP4, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K };
-inline constexpr int kWeightFormatCount = 14;
+// The first four values are mirrored by the CUDA backend; GGUF block formats follow. NVFP4 is the
+// Hugging Face (ModelOpt) layout; NVFP4_GGML is ggml's block of 64 with its scales inside.
+enum class WeightFormat : uint8_t {
+  F32, F16, BF16, NVFP4, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, NVFP4_GGML
+};
+inline constexpr int kWeightFormatCount = 16;
 const char* format_name(WeightFormat f);
 
 // The WeightFormat of a ggml tensor type, if kestrel computes with it.
@@ -24,7 +28,8 @@ std::optional<WeightFormat> weight_format_of(GgmlType t);
 
 // A weight matrix W [out, in] applied as y = x W^T (+ bias). For NVFP4, `data` is the packed codes
 // [out, in/2], `scales` the E4M3 block scales [out, in/16] and `scale2` the per-tensor scale. For
-// the GGUF block formats, `data` holds each row as in/block ggml blocks (scales inside the blocks).
+// the GGUF block formats, `data` holds each row as in/block ggml blocks (scales inside the blocks);
+// MXFP4 and NVFP4_GGML rows are then multiplied by `scale2` (llama.cpp's NAME.scale tensor).
 struct Linear {
   std::string name;  // module name, e.g. "model.layers.0.self_attn.q_proj"
   int64_t out = 0, in = 0;
@@ -105,8 +110,9 @@ struct Model {
 
 // Loads config and weights of a Hugging Face model folder, a .gguf file, or a folder holding one
 // .gguf file and no config.json, checking every tensor's presence, type and shape against the
-// configuration. `progress` prints one line per layer to stderr.
-std::unique_ptr<Model> load_model(const std::string& path, bool progress = false);
+// configuration. With progress shown, the weights are read at once with a progress line on
+// stderr (load_progress.h); otherwise they are read when first used.
+std::unique_ptr<Model> load_model(const std::string& path, Progress progress = Progress::Off);
 
 // Bytes of stored weights per format, and how many linears use each (for `inspect`).
 struct StorageStats {

@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "formats/gguf.h"
+#include "text/spm_merges.h"
 #include "text/utf8.h"
 
 namespace kestrel::text {
@@ -53,11 +54,49 @@ ojson pre_tokenizer_for(const std::string& pre, const std::string& label) {
 
 }  // namespace
 
-std::string gguf_tokenizer_json(const GgufVocab& v, const std::string& label) {
-  if (v.model != "gpt2")
-    fail(label, ": metadata 'tokenizer.ggml.model': tokenizer model '", v.model,
-         "' is not supported (supported: gpt2, byte-level BPE)");
-  if (v.tokens.empty()) fail(label, ": metadata 'tokenizer.ggml.tokens': the vocabulary is empty");
+namespace {
+
+ojson added_token(const std::string& content, size_t id, bool special) {
+  return {{"id", id}, {"content", content}, {"single_word", false}, {"lstrip", false}, {"rstrip", false},
+          {"normalized", false}, {"special", special}};
+}
+
+// BOS before and EOS after the text, as the file's add_bos_token / add_eos_token say.
+ojson post_processor(const GgufVocab& v, bool add_bos, bool add_eos) {
+  add_bos = add_bos && v.bos >= 0;
+  add_eos = add_eos && v.eos >= 0;
+  if (!add_bos && !add_eos) return nullptr;
+  ojson single = ojson::array(), pair = ojson::array(), specials = ojson::object();
+  auto special = [&](int64_t id, int type_id) {
+    const std::string& t = v.tokens[size_t(id)];
+    specials[t] = {{"id", t}, {"ids", {id}}, {"tokens", {t}}};
+    return ojson{{"SpecialToken", {{"id", t}, {"type_id", type_id}}}};
+  };
+  for (int seq = 0; seq < 2; ++seq) {
+    ojson& out = seq == 0 ? single : pair;
+    for (int part = 0; part <= seq; ++part) {
+      if (add_bos) out.push_back(special(v.bos, part));
+      out.push_back({{"Sequence", {{"id", part == 0 ? "A" : "B"}, {"type_id", part}}}});
+      if (add_eos) out.push_back(special(v.eos, part));
+    }
+  }
+  return {{"type", "TemplateProcessing"}, {"single", single}, {"pair", pair}, {"special_tokens", specials}};
+}
+
+ojson bpe_model(ojson vocab, ojson merges, bool byte_fallback) {
+  return {{"type", "BPE"},
+          {"dropout", nullptr},
+          {"unk_token", nullptr},
+          {"continuing_subword_prefix", nullptr},
+          {"end_of_word_suffix", nullptr},
+          {"fuse_unk", byte_fallback},
+          {"byte_fallback", byte_fallback},
+          {"ignore_merges", false},
+          {"vocab", std::move(vocab)},
+          {"merges", std::move(merges)}};
+}
+
+ojson byte_level_json(const GgufVocab& v, const std::string& label) {
   if (v.merges.empty()) fail(label, ": metadata 'tokenizer.ggml.merges': a gpt2 vocabulary needs merges");
   ojson pre = pre_tokenizer_for(v.pre, label);
 
@@ -69,7 +108,6 @@ std::string gguf_tokenizer_json(const GgufVocab& v, const std::string& label) {
   ojson added = ojson::array();
   for (size_t id = 0; id < v.tokens.size(); ++id) {
     const std::string& t = v.tokens[id];
-    if (!utf8_valid(t)) fail(label, ": metadata 'tokenizer.ggml.tokens': token ", id, " is not valid UTF-8");
     bool spelled = true;
     for (size_t i = 0; i < t.size() && spelled;) {
       char32_t cp = 0;
@@ -83,44 +121,87 @@ std::string gguf_tokenizer_json(const GgufVocab& v, const std::string& label) {
     }
     vocab[key] = id;
     const int32_t type = id < v.token_types.size() ? v.token_types[id] : 1;
-    if ((type == 3 && spelled) || type == 4) {
-      added.push_back({{"id", id}, {"content", t}, {"single_word", false}, {"lstrip", false}, {"rstrip", false},
-                       {"normalized", false}, {"special", type == 3}});
-    }
+    if ((type == 3 && spelled) || type == 4) added.push_back(added_token(t, id, type == 3));
+  }
+  return {{"added_tokens", added},
+          {"normalizer", nullptr},
+          {"pre_tokenizer", pre},
+          {"post_processor", post_processor(v, v.add_bos, v.add_eos)},
+          {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
+          {"model", bpe_model(vocab, v.merges, false)}};
+}
+
+// SentencePiece BPE, as transformers builds it from the same metadata (LlamaTokenizer): the pieces
+// as spelled, with "▁" for spaces and <0xHH> byte-fallback pieces; the file's merges or those the
+// scores imply; a Metaspace pre-tokenizer that prefixes "▁" to the start of the text (unless
+// add_space_prefix is false); BOS unless add_bos_token is false. Control tokens, and the named
+// BOS/EOS/unknown/padding tokens, are special; user-defined ones are plain added tokens.
+ojson sentencepiece_json(const GgufVocab& v, const std::string& label) {
+  const std::string& arch = v.architecture;
+  if (arch.rfind("gemma", 0) == 0)
+    fail(label, ": metadata 'tokenizer.ggml.model': the SentencePiece vocabulary of ", arch,
+         " is not supported (Gemma files spell spaces and order merges differently)");
+  if (!v.pre.empty() && v.pre != "default")
+    fail(label, ": metadata 'tokenizer.ggml.pre': pre-tokenizer '", v.pre,
+         "' is not supported with a llama (SentencePiece) vocabulary (supported: default)");
+  const std::string space = "\xE2\x96\x81";  // U+2581
+  const bool prefix = !v.has_add_space_prefix || v.add_space_prefix;
+
+  ojson vocab = ojson::object();
+  ojson added = ojson::array();
+  for (size_t id = 0; id < v.tokens.size(); ++id) {
+    vocab[v.tokens[id]] = id;
+    const int32_t type = id < v.token_types.size() ? v.token_types[id] : 1;
+    const auto i = int64_t(id);
+    const bool named = i == v.bos || i == v.eos || i == v.unk || i == v.pad;
+    if (type == 3 || named) added.push_back(added_token(v.tokens[id], id, true));
+    else if (type == 4) added.push_back(added_token(v.tokens[id], id, false));
+  }
+  ojson merges = ojson::array();
+  if (!v.merges.empty()) {
+    merges = v.merges;
+  } else {
+    if (v.scores.empty())
+      fail(label, ": metadata 'tokenizer.ggml.scores': a llama vocabulary without merges needs scores to derive them");
+    for (auto& [a, b] : merges_from_scores(v.tokens, v.scores)) merges.push_back({std::move(a), std::move(b)});
   }
 
-  ojson post = nullptr;
-  if (v.add_bos && v.bos >= 0) {
-    const std::string& bos = v.tokens[size_t(v.bos)];
-    ojson a = {{"Sequence", {{"id", "A"}, {"type_id", 0}}}};
-    ojson b = {{"SpecialToken", {{"id", bos}, {"type_id", 0}}}};
-    post = {{"type", "TemplateProcessing"},
-            {"single", ojson::array({b, a})},
-            {"pair", ojson::array({b, a, {{"Sequence", {{"id", "B"}, {"type_id", 1}}}}})},
-            {"special_tokens", {{bos, {{"id", bos}, {"ids", {v.bos}}, {"tokens", {bos}}}}}}};
+  ojson normalizer = nullptr, pre = nullptr;
+  if (arch == "phi3") {
+    // transformers gives Phi-3 the prefix by a normalizer, which also prefixes text after a special token.
+    normalizer = {{"type", "Sequence"},
+                  {"normalizers", ojson::array({{{"type", "Prepend"}, {"prepend", space}},
+                                                {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", space}}})}};
+  } else {
+    pre = {{"type", "Metaspace"}, {"replacement", space}, {"prepend_scheme", prefix ? "first" : "never"}, {"split", false}};
   }
+  ojson decoders = ojson::array({{{"type", "Replace"}, {"pattern", {{"String", space}}}, {"content", " "}},
+                                 {{"type", "ByteFallback"}},
+                                 {{"type", "Fuse"}}});
+  if (prefix || arch == "phi3") decoders.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
+  return {{"added_tokens", added},
+          {"normalizer", normalizer},
+          {"pre_tokenizer", pre},
+          {"post_processor", post_processor(v, !v.has_add_bos || v.add_bos, v.add_eos)},
+          {"decoder", {{"type", "Sequence"}, {"decoders", decoders}}},
+          {"model", bpe_model(vocab, merges, true)}};
+}
 
-  ojson j = {
-      {"version", "1.0"},
-      {"truncation", nullptr},
-      {"padding", nullptr},
-      {"added_tokens", added},
-      {"normalizer", nullptr},
-      {"pre_tokenizer", pre},
-      {"post_processor", post},
-      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
-      {"model",
-       {{"type", "BPE"},
-        {"dropout", nullptr},
-        {"unk_token", nullptr},
-        {"continuing_subword_prefix", ""},
-        {"end_of_word_suffix", ""},
-        {"fuse_unk", false},
-        {"byte_fallback", false},
-        {"ignore_merges", false},
-        {"vocab", vocab},
-        {"merges", v.merges}}},
-  };
+}  // namespace
+
+std::string gguf_tokenizer_json(const GgufVocab& v, const std::string& label) {
+  if (v.tokens.empty()) fail(label, ": metadata 'tokenizer.ggml.tokens': the vocabulary is empty");
+  for (size_t id = 0; id < v.tokens.size(); ++id)
+    if (!utf8_valid(v.tokens[id])) fail(label, ": metadata 'tokenizer.ggml.tokens': token ", id, " is not valid UTF-8");
+  ojson j;
+  if (v.model == "gpt2") j = byte_level_json(v, label);
+  else if (v.model == "llama") j = sentencepiece_json(v, label);
+  else
+    fail(label, ": metadata 'tokenizer.ggml.model': tokenizer model '", v.model,
+         "' is not supported (supported: gpt2, byte-level BPE; llama, SentencePiece BPE)");
+  j["version"] = "1.0";
+  j["truncation"] = nullptr;
+  j["padding"] = nullptr;
   return j.dump();
 }
 

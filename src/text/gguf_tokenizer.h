@@ -8,10 +8,12 @@
 
 namespace kestrel::text {
 
-// The tokenizer.json a GGUF vocabulary stands for. Supported: tokenizer.ggml.model "gpt2"
-// (byte-level BPE) with tokenizer.ggml.pre "default", "gpt-2", "smollm", "llama-bpe", "llama3",
-// "llama-v3" or "qwen2". CONTROL tokens become special added tokens, USER_DEFINED ones plain added
-// tokens. `label` names the file in errors.
+// The tokenizer.json a GGUF vocabulary stands for: the tokenizer transformers builds from the same
+// metadata. Supported: tokenizer.ggml.model "gpt2" (byte-level BPE) with tokenizer.ggml.pre
+// "default", "gpt-2", "smollm", "llama-bpe", "llama3", "llama-v3" or "qwen2"; and "llama"
+// (SentencePiece BPE with byte fallback; merges from the file or derived from the scores;
+// add_space_prefix; Phi-3's variant; not Gemma's). CONTROL tokens become special added tokens,
+// USER_DEFINED ones plain added tokens. `label` names the file in errors.
 std::string gguf_tokenizer_json(const GgufVocab& v, const std::string& label = "GGUF");
 
 Tokenizer tokenizer_from_gguf(const GgufVocab& v, const std::string& label = "GGUF");

@@ -78,7 +78,7 @@ TEST_P(GgufFixture, PrefillAndDecodeMatchTransformers) {
   std::printf("  %s: worst relative L2 error prefill %.2e, decode %.2e\n", GetParam().c_str(), e1, e2);
 }
 
-INSTANTIATE_TEST_SUITE_P(Gguf, GgufFixture, ::testing::Values("llama", "qwen2", "qwen3moe"));
+INSTANTIATE_TEST_SUITE_P(Gguf, GgufFixture, ::testing::Values("llama", "qwen2", "qwen3moe", "glm4moe"));
 
 // Independent of transformers' GGUF reader: the llama file holds the weights of the llama-bf16
 // fixture, quantized and with Q/K rows permuted. kestrel's safetensors path on the BF16 weights
@@ -103,6 +103,63 @@ TEST(GgufModel, LlamaMatchesTheBf16SourceWithinQuantizationError) {
   const double permuted_error = worst_error(run_prefill(*broken, ref.tokens), rb);
   EXPECT_GT(permuted_error, 2 * quant_error);
   std::printf("  vs BF16 source: %.3f; with layer 0 Q/K left permuted: %.3f\n", quant_error, permuted_error);
+}
+
+// glm4moe maps onto the same configuration as the Hugging Face folder it was converted from, and
+// its logits land near kestrel's on that folder (the difference is the quantization: MXFP4 and
+// NVFP4 experts; measured 0.17, as transformers on the same weights), far below what a mapping
+// that drops the routing correction bias gives.
+TEST(GgufModel, Glm4MoeMatchesItsHuggingFaceSource) {
+  auto gguf = load_model(gguf_path("glm4moe"));
+  auto hf = load_model(test::fixture_dir("glm4moe-bf16"));
+  const ModelConfig &a = gguf->config, &b = hf->config;
+  EXPECT_EQ(a.architecture, "Glm4MoeForCausalLM (GGUF)");
+  EXPECT_EQ(a.num_layers, 3);  // block_count 4 minus the NextN block
+  for (auto [x, y] : {std::pair{a.vocab_size, b.vocab_size}, {a.hidden_size, b.hidden_size}, {a.num_heads, b.num_heads},
+                      {a.num_kv_heads, b.num_kv_heads}, {a.head_dim, b.head_dim},
+                      {a.intermediate_size, b.intermediate_size}, {a.num_experts, b.num_experts},
+                      {a.experts_per_token, b.experts_per_token}, {a.moe_intermediate_size, b.moe_intermediate_size},
+                      {a.num_shared_experts, b.num_shared_experts}, {a.n_group, b.n_group},
+                      {a.topk_group, b.topk_group}, {a.rope.rotary_dim, b.rope.rotary_dim},
+                      {a.max_position_embeddings, b.max_position_embeddings}})
+    EXPECT_EQ(x, y);
+  EXPECT_EQ(a.moe_layer, b.moe_layer);
+  EXPECT_EQ(a.moe_layer, (std::vector<bool>{false, true, true}));
+  EXPECT_EQ(a.router, RouterKind::SigmoidBias);
+  EXPECT_EQ(a.routed_scaling_factor, b.routed_scaling_factor);
+  EXPECT_EQ(a.norm_topk_prob, b.norm_topk_prob);
+  EXPECT_EQ(a.qkv_bias, b.qkv_bias);
+  EXPECT_EQ(a.o_bias, b.o_bias);
+  EXPECT_EQ(a.qk_norm, b.qk_norm);
+  EXPECT_EQ(a.tie_word_embeddings, b.tie_word_embeddings);
+  EXPECT_EQ(a.rope.theta, b.rope.theta);
+  EXPECT_EQ(a.rope.interleaved, b.rope.interleaved);
+  EXPECT_FLOAT_EQ(a.rms_norm_eps, b.rms_norm_eps);
+
+  const MoeWeights& m1 = gguf->weights.layers[1].moe;
+  EXPECT_EQ(m1.experts[0].gate.format, WeightFormat::MXFP4);
+  EXPECT_EQ(m1.shared.gate.format, WeightFormat::NVFP4_GGML);
+  EXPECT_NE(m1.shared.gate.scale2, 1.0f);  // from blk.1.ffn_gate_shexp.scale
+  const MoeWeights& m2 = gguf->weights.layers[2].moe;
+  EXPECT_EQ(m2.experts[3].up.format, WeightFormat::NVFP4_GGML);
+  EXPECT_NE(m2.experts[3].up.scale2, m2.experts[4].up.scale2);  // one scale per expert
+  EXPECT_EQ(m2.correction_bias.size(), 8u);
+  EXPECT_EQ(gguf->weights.lm_head.format, WeightFormat::BF16);
+
+  const test::Reference ref = test::load_reference(test::fixture_dir("glm4moe-bf16"));
+  test::Reference own = ref;
+  own.logits = run_prefill(*hf, ref.tokens);
+  const std::vector<float> got = run_prefill(*gguf, ref.tokens);
+  const double quant_error = worst_error(got, own);
+  EXPECT_LT(quant_error, 0.3);
+  EXPECT_LT(worst_error(own.logits, ref), kTolerance);  // kestrel on the folder = transformers on it
+
+  auto broken = load_model(gguf_path("glm4moe"));
+  for (auto& L : broken->weights.layers)
+    std::fill(L.moe.correction_bias.begin(), L.moe.correction_bias.end(), 0.0f);
+  const double broken_error = worst_error(run_prefill(*broken, ref.tokens), own);
+  EXPECT_GT(broken_error, 2 * quant_error);
+  std::printf("  glm4moe vs its BF16 source: %.3f; without the correction bias: %.3f\n", quant_error, broken_error);
 }
 
 TEST(GgufModel, UnpermutedRowOrder) {
@@ -192,9 +249,10 @@ TEST(GgufModel, VocabularyAccessor) {
   EXPECT_FALSE(v.chat_template.empty());
 }
 
-// Rewrites the llama fixture with one edit and returns load_model's error ("" if it loads).
-std::string load_error(const std::function<void(test::GgufImage&)>& edit, const std::vector<std::string>& drop = {}) {
-  GgufFile src(gguf_path("llama"));
+// Rewrites a fixture (llama unless named) with one edit and returns load_model's error ("" if it loads).
+std::string load_error(const std::function<void(test::GgufImage&)>& edit, const std::vector<std::string>& drop = {},
+                       const std::string& fixture = "llama") {
+  GgufFile src(gguf_path(fixture));
   test::GgufImage img = test::GgufImage::copy_of(src.index(), drop);
   edit(img);
   test::TempDir tmp;
@@ -249,6 +307,47 @@ TEST(GgufModel, UnsupportedOrInconsistentFilesFailClearly) {
   }
 }
 
+TEST(GgufModel, Glm4MoeFilesThatAreWrongFailNamingTheKeyOrTensor) {
+  auto glm = [](const std::function<void(test::GgufImage&)>& edit, const std::vector<std::string>& drop = {}) {
+    return load_error(edit, drop, "glm4moe");
+  };
+  EXPECT_EQ(glm([](auto&) {}), "");
+  const std::vector<uint8_t> f32x4(16);
+  struct Case {
+    std::string msg;
+    std::vector<std::string> expect;
+  } cases[] = {
+      {glm([](auto&) {}, {"glm4moe.expert_shared_count"}), {"missing metadata 'glm4moe.expert_shared_count'"}},
+      {glm([](auto&) {}, {"glm4moe.expert_weights_scale"}), {"missing metadata 'glm4moe.expert_weights_scale'"}},
+      {glm([](auto&) {}, {"glm4moe.expert_count"}), {"'glm4moe.expert_count'"}},
+      {glm([](auto& g) { g.u32("glm4moe.expert_gating_func", 1); }, {"glm4moe.expert_gating_func"}),
+       {"metadata 'glm4moe.expert_gating_func'", "not sigmoid"}},
+      {glm([](auto& g) { g.u32("glm4moe.leading_dense_block_count", 2); }, {"glm4moe.leading_dense_block_count"}),
+       {"metadata 'glm4moe.leading_dense_block_count'", "layer 1 has router tensor 'blk.1.ffn_gate_inp.weight'"}},
+      {glm([](auto& g) { g.u32("glm4moe.expert_group_count", 3); }, {"glm4moe.expert_group_count"}),
+       {"metadata 'glm4moe.expert_group_count'", "do not divide"}},
+      {glm([](auto& g) { g.u32("glm4moe.nextn_predict_layers", 4); }, {"glm4moe.nextn_predict_layers"}),
+       {"metadata 'glm4moe.nextn_predict_layers'"}},
+      {glm([](auto&) {}, {"blk.2.exp_probs_b.bias"}), {"missing tensor 'blk.2.exp_probs_b.bias'"}},
+      {glm([&](auto& g) { g.tensor("blk.2.exp_probs_b.bias", {4}, 0, f32x4); }, {"blk.2.exp_probs_b.bias"}),
+       {"tensor 'blk.2.exp_probs_b.bias'", "dims [4]", "expected [8]"}},
+      {glm([](auto&) {}, {"blk.1.post_attention_norm.weight"}), {"missing tensor 'blk.1.post_attention_norm.weight'"}},
+      {glm([](auto&) {}, {"blk.1.ffn_up_shexp.weight"}), {"missing tensor 'blk.1.ffn_up_shexp.weight'"}},
+      {glm([&](auto& g) { g.tensor("blk.2.ffn_up_exps.scale", {4}, 0, f32x4); }, {"blk.2.ffn_up_exps.scale"}),
+       {"tensor 'blk.2.ffn_up_exps.scale'", "expected 8"}},
+      {glm([&](auto& g) { g.tensor("blk.1.attn_q.scale", {1}, 0, std::vector<uint8_t>(4)); }),
+       {"tensor 'blk.1.attn_q.scale'", "only supported on MXFP4 and NVFP4", "Q8_0"}},
+      {glm([&](auto& g) { g.tensor("blk.4.attn_norm.weight", {64}, 0, std::vector<uint8_t>(256)); }),
+       {"tensor 'blk.4.attn_norm.weight'", "not used"}},
+      {glm([](auto& g) { g.i32_array("glm4moe.rope.dimension_sections", {8, 8, 0, 0}); }),
+       {"metadata 'glm4moe.rope.dimension_sections'", "not supported"}},
+  };
+  for (const auto& c : cases) {
+    EXPECT_FALSE(c.msg.empty()) << c.expect[0];
+    for (const auto& e : c.expect) EXPECT_NE(c.msg.find(e), std::string::npos) << e << " | " << c.msg;
+  }
+}
+
 TEST(GgufModel, CliInspectAndLogits) {
   auto r = test::run_kestrel("inspect --model " + gguf_path("qwen3moe"));
   ASSERT_EQ(r.status, 0) << r.output;
@@ -267,6 +366,23 @@ TEST(GgufModel, CliInspectAndLogits) {
   f.read(reinterpret_cast<char*>(got.data()), std::streamsize(got.size() * 4));
   ASSERT_TRUE(f);
   EXPECT_LE(worst_error(got, ref), kTolerance);
+}
+
+// Loading progress: one line rewritten in place, in the same form for a GGUF file and a folder,
+// only when asked (stderr is a pipe here, so the default shows nothing).
+TEST(GgufModel, CliLoadingProgress) {
+  test::TempDir tmp;
+  const std::string out = (tmp.path() / "l.f32").string();
+  for (const std::string& model : {gguf_path("glm4moe"), test::fixture_dir("glm4moe-bf16")}) {
+    auto r = test::run_kestrel("logits --model " + model + " --tokens 1,2,3 --out " + out + " --progress");
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("\rloading " + model + ": layer 1/3, "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("\rloading " + model + ": layer 3/3, "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("loaded " + model + ": 3 layers, "), std::string::npos) << r.output;
+    r = test::run_kestrel("logits --model " + model + " --tokens 1,2,3 --out " + out);
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_EQ(r.output.find("loading"), std::string::npos) << r.output;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
-// ggml block dequantization: hand-made blocks whose values are worked out below, and random
-// blocks of every supported type against gguf-py's dequantization (tests/fixtures/gguf/quants.gguf,
-// made by scripts/make_gguf_fixtures.py), which must match bit for bit.
+// ggml block dequantization (MXFP4 and ggml's NVFP4 included): hand-made blocks whose values are
+// worked out below, and random blocks of every supported type against gguf-py's dequantization
+// (tests/fixtures/gguf/quants.gguf, made by scripts/make_gguf_fixtures.py), bit for bit.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -142,12 +143,60 @@ TEST(GgmlQuants, Q6_KByHand) {
   }
 }
 
+TEST(GgmlQuants, Mxfp4ByHand) {
+  // e = 128: half the scale is 2^0, so values are the doubled E2M1 table; e = 1 is 2^-127.
+  std::vector<uint8_t> b(17);
+  b[0] = 128;
+  for (int j = 0; j < 16; ++j) b[size_t(1 + j)] = uint8_t(j | ((15 - j) << 4));
+  const float e2m1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+  auto y = dequant(GgmlType::MXFP4, b);
+  for (int j = 0; j < 16; ++j) {
+    EXPECT_EQ(y[size_t(j)], e2m1x2[j]) << j;             // low nibbles: values 0..15
+    EXPECT_EQ(y[size_t(j + 16)], e2m1x2[15 - j]) << j;   // high nibbles: values 16..31
+  }
+  b[0] = 1;
+  y = dequant(GgmlType::MXFP4, b);
+  EXPECT_EQ(y[7], std::ldexp(12.0f, -127));
+  b[0] = 0;
+  y = dequant(GgmlType::MXFP4, b);
+  EXPECT_EQ(y[1], std::ldexp(1.0f, -128));
+}
+
+TEST(GgmlQuants, Nvfp4ByHand) {
+  // Scales 1.0 (0x38), 2.0 (0x40), 0.5 (0x30) and 0x7f (E4M3's NaN, read as 0); codes: byte j of
+  // each sub-block holds value j (low nibble) and value j + 8 (high nibble).
+  std::vector<uint8_t> b(36);
+  const uint8_t scales[4] = {0x38, 0x40, 0x30, 0x7f};
+  std::memcpy(b.data(), scales, 4);
+  for (int s = 0; s < 4; ++s)
+    for (int j = 0; j < 8; ++j) b[size_t(4 + 8 * s + j)] = uint8_t(j | ((8 + j) << 4));
+  const float e2m1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+  const float scale[4] = {1, 2, 0.5f, 0};
+  const auto y = dequant(GgmlType::NVFP4, b);
+  for (int k = 0; k < 64; ++k) EXPECT_EQ(y[size_t(k)], e2m1[k % 16] * scale[k / 16]) << k;
+}
+
+TEST(GgmlQuants, GgufFp4ViewsApplyTheTensorScale) {
+  // llama.cpp keeps NVFP4's per-tensor scale in a separate NAME.scale tensor; the view applies it.
+  std::vector<uint8_t> b(36, 0x22);  // codes 2 (= 1.0) everywhere, scales set to 1.0 below
+  std::memcpy(b.data(), "\x38\x38\x38\x38", 4);
+  Linear l;
+  l.out = 1;
+  l.in = 64;
+  l.format = WeightFormat::NVFP4_GGML;
+  l.data = b.data();
+  l.scale2 = 0.25f;
+  std::vector<float> y(64, NAN);
+  l.dequant_row(0, y.data());
+  for (float v : y) EXPECT_EQ(v, 0.25f);
+}
+
 TEST(GgmlQuants, RandomBlocksMatchGgufPyBitForBit) {
   GgufFile f(test::fixture_dir("gguf") + "/quants.gguf");
   const GgufIndex& g = f.index();
   int checked = 0;
-  for (const char* name : {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16",
-                           "BF16", "F32"}) {
+  for (const char* name : {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4",
+                           "NVFP4", "F16", "BF16", "F32"}) {
     const GgufTensor& t = g.tensor(name);
     const GgufTensor& e = g.tensor(std::string(name) + ".expected");
     ASSERT_EQ(ggml_type_name(uint32_t(t.type)), name);
@@ -171,14 +220,14 @@ TEST(GgmlQuants, RandomBlocksMatchGgufPyBitForBit) {
       l.format = *fmt;
       l.data = t.data;
       EXPECT_EQ(l.row_bytes(), row_bytes) << name;
-      EXPECT_EQ(std::string(format_name(*fmt)), name);
+      EXPECT_EQ(std::string(format_name(*fmt)), std::string(name) == "NVFP4" ? "NVFP4_GGML" : name);
       std::fill(got.begin(), got.end(), NAN);
       l.dequant_row(r, got.data());
       EXPECT_EQ(0, std::memcmp(got.data(), want.data(), size_t(n) * 4)) << name << " row " << r;
     }
     ++checked;
   }
-  EXPECT_EQ(checked, 13);
+  EXPECT_EQ(checked, 15);
   EXPECT_FALSE(weight_format_of(GgmlType::IQ2_XXS));
 }
 
