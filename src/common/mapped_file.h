@@ -27,4 +27,7 @@ class MappedFile {
 // Reads a whole (small) text file; errors name the path.
 std::string read_text_file(const std::string& path);
 
+// Creates or replaces a (small) file with `text`; errors name the path.
+void write_text_file(const std::string& path, const std::string& text);
+
 }  // namespace kestrel

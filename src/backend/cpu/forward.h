@@ -5,6 +5,7 @@
 #include <span>
 #include <vector>
 
+#include "backend/cpu/linear.h"
 #include "backend/cpu/ops.h"
 #include "common/thread_pool.h"
 #include "model/weights.h"
@@ -24,11 +25,18 @@ class Forward {
   // of every token to `logits` ([tokens, vocab]) when it is not null.
   void run(std::span<const int32_t> tokens, KvCache& cache, float* logits);
 
+  // Shows every later run's linear inputs to `observe` (calibration); an empty function stops it.
+  // Costs nothing while unset.
+  void set_observer(LinearObserver observe) { observe_ = std::move(observe); }
+
  private:
+  void apply_linear(const Linear& W, const float* x, int64_t tokens, float* y);
+
   const Model& model_;
   const ModelConfig& c_;
   ThreadPool& pool_;
   RopeTables rope_;
+  LinearObserver observe_;
 };
 
 }  // namespace kestrel::cpu

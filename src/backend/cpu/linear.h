@@ -2,11 +2,15 @@
 // dequantized once into a per-thread buffer and applied to every token of the batch.
 #pragma once
 #include <cstdint>
+#include <functional>
 
 #include "common/thread_pool.h"
 #include "model/weights.h"
 
 namespace kestrel::cpu {
+
+// Sees the input x [tokens, W.in] of a linear before it is applied (calibration).
+using LinearObserver = std::function<void(const Linear& W, const float* x, int64_t tokens)>;
 
 // x: [tokens, W.in] row-major; y: [tokens, W.out].
 void linear(const Linear& W, const float* x, int64_t tokens, float* y, ThreadPool& pool);
