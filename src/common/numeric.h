@@ -70,6 +70,7 @@ inline uint8_t f32_to_e4m3(float f) {
   if (std::isnan(f)) return uint8_t(sign | 0x7f);
   const float a = std::fabs(f);
   if (a >= 448.0f) return uint8_t(sign | 0x7e);
+  if (a == 0.0f) return sign;
   int e = 0;
   std::frexp(a, &e);                   // a in [2^(e-1), 2^e)
   const int exp = std::max(e - 1, -6);  // subnormals share the step of the lowest binade
