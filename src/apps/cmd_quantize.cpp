@@ -184,7 +184,10 @@ Run add_quantize(CLI::App& app) {
     if (nvfp4) {
       const std::vector<int32_t> ids = calibration_tokens(*o, *model);
       const int64_t window = std::min(kCalibWindow, model->config.max_position_embeddings);
+      const auto c0 = std::chrono::steady_clock::now();
       input_amax = calibrate_input_amax(*model, ids, window, pool, true);
+      std::fprintf(stderr, "calibrated on %zu tokens in %.1f s\n", ids.size(),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count());
     }
     WriteOptions wo;
     wo.nvfp4 = nvfp4;

@@ -262,29 +262,11 @@ void prepare_folder(const std::string& out) {
   }
 }
 
-}  // namespace
-
-WriteSummary write_checkpoint(Model& m, nlohmann::ordered_json config, const std::string& out, const WriteOptions& o,
-                              ThreadPool& pool) {
-  if (o.shard_bytes == 0) fail("shard size must be positive");
+// The shards, the index and the settings files.
+WriteSummary write_files(const Plan& plan, nlohmann::ordered_json config, const std::string& out,
+                         const WriteOptions& o, const std::vector<std::vector<size_t>>& shards, uint64_t total,
+                         ThreadPool& pool) {
   const std::string config_path = (fs::path(out) / "config.json").string();
-  const Plan plan(m, o, config_path);
-  prepare_folder(out);
-
-  // Shards: consecutive units, a new shard when the next unit would overflow a non-empty one.
-  std::vector<std::vector<size_t>> shards(1);
-  uint64_t in_shard = 0, total = 0;
-  for (size_t i = 0; i < plan.units().size(); ++i) {
-    const uint64_t b = plan.units()[i].bytes();
-    if (!shards.back().empty() && in_shard + b > o.shard_bytes) {
-      shards.emplace_back();
-      in_shard = 0;
-    }
-    shards.back().push_back(i);
-    in_shard += b;
-    total += b;
-  }
-
   Writer writer(plan, o, pool);
   nlohmann::json weight_map = nlohmann::json::object();
   WriteSummary sum;
@@ -343,6 +325,40 @@ WriteSummary write_checkpoint(Model& m, nlohmann::ordered_json config, const std
   }
   write_text_file(config_path, config.dump(2) + "\n");
   return sum;
+}
+
+
+}  // namespace
+
+WriteSummary write_checkpoint(Model& m, nlohmann::ordered_json config, const std::string& out, const WriteOptions& o,
+                              ThreadPool& pool) {
+  if (o.shard_bytes == 0) fail("shard size must be positive");
+  const std::string config_path = (fs::path(out) / "config.json").string();
+  const Plan plan(m, o, config_path);
+  prepare_folder(out);
+
+  // Shards: consecutive units, a new shard when the next unit would overflow a non-empty one.
+  std::vector<std::vector<size_t>> shards(1);
+  uint64_t in_shard = 0, total = 0;
+  for (size_t i = 0; i < plan.units().size(); ++i) {
+    const uint64_t b = plan.units()[i].bytes();
+    if (!shards.back().empty() && in_shard + b > o.shard_bytes) {
+      shards.emplace_back();
+      in_shard = 0;
+    }
+    shards.back().push_back(i);
+    in_shard += b;
+    total += b;
+  }
+
+  try {
+    return write_files(plan, std::move(config), out, o, shards, total, pool);
+  } catch (...) {
+    // Leave the folder as it was found (new or empty), not half written.
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(out, ec)) fs::remove_all(e.path(), ec);
+    throw;
+  }
 }
 
 }  // namespace kestrel
