@@ -252,14 +252,16 @@ class Writer {
   std::map<int, float> amax_;
 };
 
-void prepare_folder(const std::string& out) {
+// Returns whether the folder was created (else it existed, empty).
+bool prepare_folder(const std::string& out) {
   std::error_code ec;
   if (fs::exists(out, ec)) {
     if (!fs::is_directory(out, ec)) fail(out, ": exists and is not a folder");
     if (!fs::is_empty(out, ec)) fail(out, ": folder is not empty (the checkpoint is written into a new or empty folder)");
-  } else if (!fs::create_directories(out, ec)) {
-    fail(out, ": cannot create the folder: ", ec.message());
+    return false;
   }
+  if (!fs::create_directories(out, ec)) fail(out, ": cannot create the folder: ", ec.message());
+  return true;
 }
 
 // The shards, the index and the settings files.
@@ -335,7 +337,7 @@ WriteSummary write_checkpoint(Model& m, nlohmann::ordered_json config, const std
   if (o.shard_bytes == 0) fail("shard size must be positive");
   const std::string config_path = (fs::path(out) / "config.json").string();
   const Plan plan(m, o, config_path);
-  prepare_folder(out);
+  const bool created = prepare_folder(out);
 
   // Shards: consecutive units, a new shard when the next unit would overflow a non-empty one.
   std::vector<std::vector<size_t>> shards(1);
@@ -354,9 +356,11 @@ WriteSummary write_checkpoint(Model& m, nlohmann::ordered_json config, const std
   try {
     return write_files(plan, std::move(config), out, o, shards, total, pool);
   } catch (...) {
-    // Leave the folder as it was found (new or empty), not half written.
+    // Leave things as they were found (no folder, or an empty one), not half written.
     std::error_code ec;
-    for (const auto& e : fs::directory_iterator(out, ec)) fs::remove_all(e.path(), ec);
+    if (created) fs::remove_all(out, ec);
+    else
+      for (const auto& e : fs::directory_iterator(out, ec)) fs::remove_all(e.path(), ec);
     throw;
   }
 }
