@@ -292,7 +292,7 @@ WriteSummary write_files(const Plan& plan, nlohmann::ordered_json config, const 
       const auto now = std::chrono::steady_clock::now();
       if (o.progress && (now - last > std::chrono::milliseconds(200) || done == total)) {
         last = now;
-        std::fprintf(stderr, "\rwriting %s: %zu/%zu tensors of this shard, %.1f/%.1f MB in all", fname, k + 1,
+        std::fprintf(stderr, "\rwriting %s: %zu/%zu modules and tensors of this shard, %.1f/%.1f MB in all", fname, k + 1,
                      shards[s].size(), double(done) / 1e6, double(total) / 1e6);
       }
     }

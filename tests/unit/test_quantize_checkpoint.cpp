@@ -58,9 +58,11 @@ std::vector<float> logits_of(const Model& m, const std::vector<int32_t>& tokens,
   const int64_t T = int64_t(tokens.size()), V = m.config.vocab_size;
   std::vector<float> out(size_t(T * V), NAN);
   KvCache cache = fwd.make_cache(T);
-  if (!decode) fwd.run(tokens, cache, out.data());
-  else
+  if (!decode) {
+    fwd.run(tokens, cache, out.data());
+  } else {
     for (int64_t t = 0; t < T; ++t) fwd.run({tokens.data() + t, 1}, cache, out.data() + t * V);
+  }
   return out;
 }
 
@@ -210,7 +212,9 @@ TEST(QuantizeCheckpoint, LayoutOfTheWrittenFolder) {
       EXPECT_EQ(scalar(is), nvfp4_scale2(amax.at(t.linear)));
       EXPECT_GT(scalar(s2), 0.0f);
       auto [it, fresh] = group_scale.emplace(t.group, scalar(s2));
-      if (!fresh) EXPECT_EQ(it->second, scalar(s2)) << "fusion group members differ in weight_scale_2";
+      if (!fresh) {
+        EXPECT_EQ(it->second, scalar(s2)) << "fusion group members differ in weight_scale_2";
+      }
       for (const char* suffix : {".weight", ".weight_scale", ".weight_scale_2", ".input_scale"})
         quantized_tensors.insert(t.module + suffix);
     }
@@ -225,8 +229,11 @@ TEST(QuantizeCheckpoint, LayoutOfTheWrittenFolder) {
       EXPECT_EQ(v->nbytes, s->nbytes);
       EXPECT_EQ(std::memcmp(v->data, s->data, v->nbytes), 0);
     }
-    for (const auto& [n, v] : sck.tensors())
-      if (!ck.has(n)) EXPECT_TRUE(n.ends_with("experts.gate_up_proj") || n.ends_with("experts.down_proj")) << n;
+    for (const auto& [n, v] : sck.tensors()) {
+      if (!ck.has(n)) {
+        EXPECT_TRUE(n.ends_with("experts.gate_up_proj") || n.ends_with("experts.down_proj")) << n;
+      }
+    }
   }
 }
 
