@@ -39,6 +39,23 @@ import numpy as np, sys
 a, b = (np.fromfile(sys.argv[i], dtype=np.float32) for i in (1, 2))
 print(f'cli: kestrel logits --device cuda vs cpu on $fx: rel L2 {np.linalg.norm(a - b) / np.linalg.norm(b):.2e}')
 " "$OUT/logits_cuda.bin" "$OUT/logits_cpu.bin" | tee -a "$OUT/cli.txt"
+# Perplexity on the GPU against the CPU: the real model (when fetched) quantized to NVFP4.
+gguf=models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ -f "$gguf" ]; then
+  qdir=$(mktemp -d)
+  "$BUILD/src/kestrel" quantize --model "$gguf" --out "$qdir/nvfp4" --calib-max-tokens 64 >>"$OUT/cli.txt" 2>&1
+  head -c 2000 docs/data/pride_and_prejudice_ch1.txt >"$OUT/slice.txt"
+  for d in cpu cuda; do
+    "$BUILD/src/kestrel" perplexity --model "$qdir/nvfp4" --text "$OUT/slice.txt" --context 256 --stride 128 --device "$d" \
+      --json "$OUT/ppl_$d.json" >>"$OUT/cli.txt" 2>&1
+  done
+  rm -rf "$qdir"
+  python3 -c "
+import json, sys
+a, b = (json.load(open(sys.argv[i]))['perplexity'] for i in (1, 2))
+print(f'cli: kestrel perplexity --device cuda {a:.6f} vs cpu {b:.6f} on SmolLM2 NVFP4: rel diff {abs(a - b) / b:.2e}')
+" "$OUT/ppl_cuda.json" "$OUT/ppl_cpu.json" | tee -a "$OUT/cli.txt"
+fi
 "$BUILD/src/kestrel" profile --model "$fx" --steps 10 --plot "$OUT/profile_fixture.svg" >>"$OUT/cli.txt" 2>&1 &&
   echo "cli: kestrel profile on $fx: ok" | tee -a "$OUT/cli.txt"
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "apps/commands.h"
+#include "apps/model_options.h"
 #include "apps/reply.h"
 #include "apps/runner.h"
 #include "common/error.h"
@@ -29,6 +30,7 @@ struct Options {
   int64_t context = 4096;
   int threads = 0;
   Progress progress = Progress::Auto;
+  std::string quant = "none";
 };
 
 
@@ -42,16 +44,18 @@ Run add_chat(CLI::App& app) {
   app.add_option("--context", o->context, "Most positions the conversation may use (default 4096)");
   add_reply_options(app, o->reply);
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
+  add_quant_option(app, o->quant);
   app.add_option("--device", o->device, "auto (the GPU when it can run the model), cpu or cuda");
   add_progress_flag(app, o->progress);
   return [o]() {
+    check_quant_option(o->quant);
     check_device_option(o->device);
     check_sampler_options(o->reply.sampling);
     if (o->reply.max_tokens < 1) fail("--max-tokens: must be >= 1, got ", o->reply.max_tokens);
     if (o->context < 2) fail("--context: must be at least 2, got ", o->context);
     if (!std::filesystem::exists(o->model)) fail(o->model, ": no such file or folder");
     const text::Tokenizer tok = text::load_tokenizer_for_model(o->model);
-    auto model = load_model(o->model, o->progress);
+    auto model = load_model_as(o->model, o->quant, o->progress);
     const text::ModelChat chat = text::load_model_chat(*model, o->model);
     if (model->config.max_position_embeddings > 0) o->context = std::min(o->context, model->config.max_position_embeddings);
     auto runner = Runner::make(*model, o->device, o->context, o->threads);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "apps/commands.h"
+#include "apps/model_options.h"
 #include "apps/reply.h"
 #include "apps/runner.h"
 #include "common/error.h"
@@ -28,6 +29,7 @@ struct Options {
   int threads = 0;
   std::string device = "auto";
   Progress progress = Progress::Auto;
+  std::string quant = "none";
 };
 
 
@@ -41,9 +43,11 @@ Run add_generate(CLI::App& app) {
   app.add_option("--system", o->system, "System message (with --chat)");
   add_reply_options(app, o->reply);
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
+  add_quant_option(app, o->quant);
   app.add_option("--device", o->device, "auto (the GPU when it can run the model), cpu or cuda");
   add_progress_flag(app, o->progress);
   return [o]() {
+    check_quant_option(o->quant);
     check_device_option(o->device);
     if (o->reply.max_tokens < 0) fail("--max-tokens: must be >= 0, got ", o->reply.max_tokens);
     if (!o->system.empty() && !o->chat) fail("--system: needs --chat");
@@ -51,7 +55,7 @@ Run add_generate(CLI::App& app) {
     if (!std::filesystem::exists(o->model)) fail(o->model, ": no such file or folder");
 
     const text::Tokenizer tok = text::load_tokenizer_for_model(o->model);
-    auto model = load_model(o->model, o->progress);
+    auto model = load_model_as(o->model, o->quant, o->progress);
 
     std::vector<int32_t> prompt;
     if (o->chat) {

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "apps/commands.h"
+#include "apps/model_options.h"
 #include "apps/runner.h"
 #include "common/error.h"
 #include "model/weights.h"
@@ -12,32 +13,11 @@
 namespace kestrel::apps {
 namespace {
 
-std::vector<int32_t> parse_tokens(const std::string& s) {
-  std::vector<int32_t> out;
-  size_t i = 0;
-  while (i < s.size()) {
-    size_t j = s.find(',', i);
-    if (j == std::string::npos) j = s.size();
-    const std::string item = s.substr(i, j - i);
-    try {
-      size_t used = 0;
-      long long v = std::stoll(item, &used);
-      if (used != item.size() || v < 0 || v > INT32_MAX) throw std::invalid_argument(item);
-      out.push_back(int32_t(v));
-    } catch (const std::exception&) {
-      fail("--tokens: '", item, "' is not a token id (expected comma-separated non-negative integers)");
-    }
-    i = j + 1;
-  }
-  if (out.empty()) fail("--tokens: no token ids given");
-  return out;
-}
-
 struct Options {
   std::string model, tokens, out;
   bool decode = false;
   int threads = 0;
-  std::string device = "auto";
+  std::string device = "auto", quant = "none";
   Progress progress = Progress::Auto;
 };
 
@@ -52,10 +32,12 @@ Run add_logits(CLI::App& app) {
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   app.add_option("--device", o->device, "auto (the GPU when it can run the model), cpu or cuda");
   add_progress_flag(app, o->progress);
+  add_quant_option(app, o->quant);
   return [o]() {
     check_device_option(o->device);
-    const std::vector<int32_t> tokens = parse_tokens(o->tokens);
-    auto model = load_model(o->model, o->progress);
+    check_quant_option(o->quant);
+    const std::vector<int32_t> tokens = parse_token_ids(o->tokens, "--tokens");
+    auto model = load_model_as(o->model, o->quant, o->progress);
     const int64_t V = model->config.vocab_size, T = int64_t(tokens.size());
     auto runner = Runner::make(*model, o->device, T, o->threads);
     std::vector<float> logits(static_cast<size_t>(T * V));

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "apps/commands.h"
+#include "apps/model_options.h"
 #include "common/error.h"
 #include "model/weights.h"
 #include "runtime/engine.h"
@@ -26,6 +27,7 @@ struct Options {
   int64_t context = 0, kv_tokens = 0;
   double grace = 10.0;
   Progress progress = Progress::Auto;
+  std::string quant = "none";
 };
 
 }  // namespace
@@ -43,7 +45,9 @@ Run add_serve(CLI::App& app) {
   app.add_option("--grace", o->grace, "Seconds running requests get to finish on SIGINT/SIGTERM (default 10)");
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   add_progress_flag(app, o->progress);
+  add_quant_option(app, o->quant);
   return [o]() {
+    check_quant_option(o->quant);
     if (o->port < 0 || o->port > 65535) fail("--port: expected 0..65535, got ", o->port);
     if (o->grace < 0) fail("--grace: must be >= 0");
     if (!std::filesystem::exists(o->model)) fail(o->model, ": no such file or folder");
@@ -55,7 +59,7 @@ Run add_serve(CLI::App& app) {
     pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
     const text::Tokenizer tok = text::load_tokenizer_for_model(o->model);
-    auto model = load_model(o->model, o->progress);
+    auto model = load_model_as(o->model, o->quant, o->progress);
     std::optional<text::ModelChat> chat;
     try {
       chat = text::load_model_chat(*model, o->model);

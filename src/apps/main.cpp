@@ -21,6 +21,10 @@ int main(int argc, char** argv) {
 #ifdef KESTREL_HAVE_SERVER
   add("serve", "Serve the model over an OpenAI-compatible HTTP API", kestrel::apps::add_serve);
 #endif
+  add("quantize", "Write a BF16 Hugging Face folder or a GGUF file as an NVFP4 (ModelOpt) checkpoint",
+      kestrel::apps::add_quantize);
+  add("perplexity", "Perplexity over a text, and KL divergence and top-1 agreement against a reference model",
+      kestrel::apps::add_perplexity);
   add("roofline", "The floor of a decode step for a model, formats, parallel layout and GPU", kestrel::apps::add_roofline);
   add("tokenize", "Encode text to token ids, or decode ids to text, with a tokenizer.json", kestrel::apps::add_tokenize);
 #ifdef KESTREL_HAVE_CUDA

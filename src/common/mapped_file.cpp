@@ -62,4 +62,12 @@ std::string read_text_file(const std::string& path) {
   return s.str();
 }
 
+void write_text_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) fail(path, ": cannot create: ", std::strerror(errno));
+  out.write(text.data(), std::streamsize(text.size()));
+  out.close();
+  if (!out) fail(path, ": write failed");
+}
+
 }  // namespace kestrel

@@ -31,4 +31,7 @@ void read_pages(const uint8_t* p, size_t n);
 // Reads a whole (small) text file; errors name the path.
 std::string read_text_file(const std::string& path);
 
+// Creates or replaces a (small) file with `text`; errors name the path.
+void write_text_file(const std::string& path, const std::string& text);
+
 }  // namespace kestrel

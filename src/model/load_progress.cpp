@@ -26,7 +26,7 @@ void add_ranges(const Linear& l, std::vector<std::pair<const uint8_t*, size_t>>&
 
 std::vector<std::pair<const uint8_t*, size_t>> layer_ranges(const LayerWeights& L) {
   std::vector<std::pair<const uint8_t*, size_t>> r;
-  for (const Linear* l : {&L.q, &L.k, &L.v, &L.o}) add_ranges(*l, r);
+  for (const Linear* l : L.attention_linears()) add_ranges(*l, r);
   auto ffn = [&](const GatedFfn& f) {
     for (const Linear* l : {&f.gate, &f.up, &f.down}) add_ranges(*l, r);
   };

@@ -5,6 +5,7 @@
 #include <span>
 #include <vector>
 
+#include "backend/cpu/linear.h"
 #include "backend/cpu/ops.h"
 #include "common/thread_pool.h"
 #include "model/weights.h"
@@ -24,6 +25,10 @@ class Forward {
   // of every token to `logits` ([tokens, vocab]) when it is not null.
   void run(std::span<const int32_t> tokens, KvCache& cache, float* logits);
 
+  // Shows every later run's linear inputs to `observe` (calibration); an empty function stops it.
+  // Costs nothing while unset.
+  void set_observer(LinearObserver observe) { observe_ = std::move(observe); }
+
  private:
   // GQA attention block of one layer: appends the tokens' keys and values, writes o_proj(attention).
   void gqa_attention(const LayerWeights& L, int64_t layer, const float* xn, int64_t T, int64_t start, KvCache& cache,
@@ -34,6 +39,7 @@ class Forward {
   ThreadPool& pool_;
   RopeTables rope_;
   RopeTables index_rope_;  // the DSA indexer's rotary (its own interleaving)
+  LinearObserver observe_;
 };
 
 }  // namespace kestrel::cpu

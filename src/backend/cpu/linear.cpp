@@ -14,7 +14,9 @@ float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-void linear(const Linear& W, const float* x, int64_t tokens, float* y, ThreadPool& pool) {
+void linear(const Linear& W, const float* x, int64_t tokens, float* y, ThreadPool& pool,
+            const LinearObserver* observe) {
+  if (observe) (*observe)(W, x, tokens);
   const int64_t in = W.in, out = W.out;
   // About 64K weights per task keeps the pool busy without drowning in scheduling.
   const size_t grain = size_t(std::max<int64_t>(1, 65536 / std::max<int64_t>(in, 1)));

@@ -2,14 +2,19 @@
 // dequantized once into a per-thread buffer and applied to every token of the batch.
 #pragma once
 #include <cstdint>
+#include <functional>
 
 #include "common/thread_pool.h"
 #include "model/weights.h"
 
 namespace kestrel::cpu {
 
-// x: [tokens, W.in] row-major; y: [tokens, W.out].
-void linear(const Linear& W, const float* x, int64_t tokens, float* y, ThreadPool& pool);
+// Sees the input x [tokens, W.in] of a linear before it is applied (calibration).
+using LinearObserver = std::function<void(const Linear& W, const float* x, int64_t tokens)>;
+
+// x: [tokens, W.in] row-major; y: [tokens, W.out]. `observe`, when given, sees x first.
+void linear(const Linear& W, const float* x, int64_t tokens, float* y, ThreadPool& pool,
+            const LinearObserver* observe = nullptr);
 
 // Dot product with 8 independent float accumulators (vectorizable, deterministic order).
 float dot(const float* a, const float* b, int64_t n);

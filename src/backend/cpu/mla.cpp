@@ -10,14 +10,14 @@ namespace kestrel::cpu {
 
 void select_positions(const ModelConfig& c, const IndexerWeights& w, int64_t layer, const float* xn,
                       const float* q_latent, int64_t T, int64_t start, KvCache& cache, const RopeTables& rope,
-                      Selection& selection, ThreadPool& pool) {
+                      Selection& selection, ThreadPool& pool, const LinearObserver* observe) {
   const IndexerConfig& ix = c.indexer;
   const int64_t nh = ix.heads, d = ix.head_dim;
   std::vector<float> q(static_cast<size_t>(T * nh * d)), k(static_cast<size_t>(T * d)), wts(static_cast<size_t>(T * nh));
-  linear(w.wq_b, q_latent, T, q.data(), pool);
-  linear(w.wk, xn, T, k.data(), pool);
+  linear(w.wq_b, q_latent, T, q.data(), pool, observe);
+  linear(w.wk, xn, T, k.data(), pool, observe);
   layer_norm(k.data(), w.k_norm.data(), w.k_norm_bias.data(), T, d, 1e-6f, k.data());
-  linear(w.weights_proj, xn, T, wts.data(), pool);
+  linear(w.weights_proj, xn, T, wts.data(), pool, observe);
   const float head_weight = 1.0f / std::sqrt(float(nh)), scale = 1.0f / std::sqrt(float(d));
   for (int64_t t = 0; t < T; ++t) {
     apply_rope(q.data() + t * nh * d, nh, d, start + t, rope);
@@ -54,7 +54,7 @@ void select_positions(const ModelConfig& c, const IndexerWeights& w, int64_t lay
 
 void mla_attention(const ModelConfig& c, const LayerWeights& L, int64_t layer, const float* xn, int64_t T,
                    int64_t start, KvCache& cache, const RopeTables& rope, const RopeTables& index_rope,
-                   Selection& selection, float* out, ThreadPool& pool) {
+                   Selection& selection, float* out, ThreadPool& pool, const LinearObserver* observe) {
   const MlaConfig& m = c.mla;
   const MlaWeights& w = L.mla;
   const int64_t heads = c.num_heads, qk = m.qk_head_dim(), nope = m.qk_nope_head_dim, vd = m.v_head_dim;
@@ -64,16 +64,16 @@ void mla_attention(const ModelConfig& c, const LayerWeights& L, int64_t layer, c
   std::vector<float> q(static_cast<size_t>(T * heads * qk)), q_latent;
   if (m.q_lora_rank > 0) {
     q_latent.resize(size_t(T * m.q_lora_rank));
-    linear(w.q_a, xn, T, q_latent.data(), pool);
+    linear(w.q_a, xn, T, q_latent.data(), pool, observe);
     rms_norm(q_latent.data(), w.q_a_norm.data(), T, m.q_lora_rank, m.latent_norm_eps, q_latent.data());
-    linear(w.q_b, q_latent.data(), T, q.data(), pool);
+    linear(w.q_b, q_latent.data(), T, q.data(), pool, observe);
   } else {
-    linear(w.q, xn, T, q.data(), pool);
+    linear(w.q, xn, T, q.data(), pool, observe);
   }
 
   // Latents: normed kv part, rotated shared key part; appended to the cache.
   std::vector<float> kv(static_cast<size_t>(T * lat));
-  linear(w.kv_a, xn, T, kv.data(), pool);
+  linear(w.kv_a, xn, T, kv.data(), pool, observe);
   for (int64_t t = 0; t < T; ++t) {
     float* row = kv.data() + t * lat;
     rms_norm(row, w.kv_a_norm.data(), 1, r, m.latent_norm_eps, row);
@@ -82,14 +82,14 @@ void mla_attention(const ModelConfig& c, const LayerWeights& L, int64_t layer, c
     std::copy_n(row, lat, cache.k(layer, start + t));
   }
   if (w.has_indexer)
-    select_positions(c, w.indexer, layer, xn, q_latent.data(), T, start, cache, index_rope, selection, pool);
+    select_positions(c, w.indexer, layer, xn, q_latent.data(), T, start, cache, index_rope, selection, pool, observe);
   const bool sparse = c.indexer.enabled();
 
   // Every cached position's per-head key (nope part) and value.
   const int64_t len = start + T;
   std::vector<float> latents(static_cast<size_t>(len * r)), kvb(static_cast<size_t>(len * kvb_row));
   for (int64_t j = 0; j < len; ++j) std::copy_n(cache.k(layer, j), r, latents.data() + j * r);
-  linear(w.kv_b, latents.data(), len, kvb.data(), pool);
+  linear(w.kv_b, latents.data(), len, kvb.data(), pool, observe);
 
   std::vector<float> att(static_cast<size_t>(T * heads * vd));
   pool.parallel_for(size_t(T * heads), 1, [&](size_t begin, size_t end) {
@@ -120,7 +120,7 @@ void mla_attention(const ModelConfig& c, const LayerWeights& L, int64_t layer, c
       }
     }
   });
-  linear(L.o, att.data(), T, out, pool);
+  linear(L.o, att.data(), T, out, pool, observe);
 }
 
 }  // namespace kestrel::cpu

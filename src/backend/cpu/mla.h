@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "backend/cpu/linear.h"
 #include "backend/cpu/ops.h"
 #include "common/thread_pool.h"
 #include "model/weights.h"
@@ -23,13 +24,13 @@ struct Selection {
 // q_latent: the normed q latent [T, q_lora_rank]; xn: the normed hidden state [T, hidden].
 void select_positions(const ModelConfig& c, const IndexerWeights& w, int64_t layer, const float* xn,
                       const float* q_latent, int64_t T, int64_t start, KvCache& cache, const RopeTables& rope,
-                      Selection& selection, ThreadPool& pool);
+                      Selection& selection, ThreadPool& pool, const LinearObserver* observe = nullptr);
 
 // The attention block of an MLA layer for T tokens at positions start..start+T-1: appends each
 // token's latent to the cache and writes o_proj(attention) to out [T, hidden]. Layers with their own
 // indexer refill `selection`; layers that reuse an earlier layer's selection read it.
 void mla_attention(const ModelConfig& c, const LayerWeights& L, int64_t layer, const float* xn, int64_t T,
                    int64_t start, KvCache& cache, const RopeTables& rope, const RopeTables& index_rope,
-                   Selection& selection, float* out, ThreadPool& pool);
+                   Selection& selection, float* out, ThreadPool& pool, const LinearObserver* observe = nullptr);
 
 }  // namespace kestrel::cpu

@@ -70,20 +70,21 @@ Routing route(const ModelConfig& c, const float* logits, int64_t tokens, const s
   return r;
 }
 
-void gated_ffn(const GatedFfn& f, const float* x, int64_t tokens, float* out, ThreadPool& pool) {
+void gated_ffn(const GatedFfn& f, const float* x, int64_t tokens, float* out, ThreadPool& pool,
+               const LinearObserver* observe) {
   const int64_t w = f.gate.out;
   std::vector<float> g(static_cast<size_t>(tokens * w)), u(static_cast<size_t>(tokens * w));
-  linear(f.gate, x, tokens, g.data(), pool);
-  linear(f.up, x, tokens, u.data(), pool);
+  linear(f.gate, x, tokens, g.data(), pool, observe);
+  linear(f.up, x, tokens, u.data(), pool, observe);
   silu_mul(g.data(), u.data(), tokens * w, g.data());
-  linear(f.down, g.data(), tokens, out, pool);
+  linear(f.down, g.data(), tokens, out, pool, observe);
 }
 
 void moe_forward(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t tokens, float* out,
-                 ThreadPool& pool) {
+                 ThreadPool& pool, const LinearObserver* observe) {
   const int64_t E = c.num_experts, K = c.experts_per_token, H = c.hidden_size;
   std::vector<float> logits(static_cast<size_t>(tokens * E));
-  linear(w.router, x, tokens, logits.data(), pool);
+  linear(w.router, x, tokens, logits.data(), pool, observe);
   const Routing r = route(c, logits.data(), tokens, w.correction_bias);
 
   std::fill(out, out + tokens * H, 0.0f);
@@ -103,7 +104,7 @@ void moe_forward(const ModelConfig& c, const MoeWeights& w, const float* x, int6
     xs.resize(size_t(n * H));
     ys.resize(size_t(n * H));
     for (int64_t i = 0; i < n; ++i) std::copy(x + rows[size_t(i)] * H, x + (rows[size_t(i)] + 1) * H, xs.begin() + i * H);
-    gated_ffn(w.experts[size_t(e)], xs.data(), n, ys.data(), pool);
+    gated_ffn(w.experts[size_t(e)], xs.data(), n, ys.data(), pool, observe);
     for (int64_t i = 0; i < n; ++i) {
       float* o = out + rows[size_t(i)] * H;
       for (int64_t d = 0; d < H; ++d) o[d] += weights[size_t(i)] * ys[size_t(i * H + d)];
@@ -111,7 +112,7 @@ void moe_forward(const ModelConfig& c, const MoeWeights& w, const float* x, int6
   }
   if (w.has_shared) {
     ys.resize(size_t(tokens * H));
-    gated_ffn(w.shared, x, tokens, ys.data(), pool);
+    gated_ffn(w.shared, x, tokens, ys.data(), pool, observe);
     for (int64_t i = 0; i < tokens * H; ++i) out[i] += ys[size_t(i)];
   }
 }

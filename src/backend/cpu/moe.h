@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "backend/cpu/linear.h"
 #include "common/thread_pool.h"
 #include "model/model_config.h"
 #include "model/weights.h"
@@ -21,10 +22,12 @@ struct Routing {
 Routing route(const ModelConfig& c, const float* logits, int64_t tokens, const std::vector<float>& correction_bias);
 
 // out[t] = sum over selected experts of weight * expert(x[t]) (+ shared experts). x, out: [tokens, hidden].
+// `observe`, when given, sees the input of every linear applied.
 void moe_forward(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t tokens, float* out,
-                 ThreadPool& pool);
+                 ThreadPool& pool, const LinearObserver* observe = nullptr);
 
 // out = down(silu(gate x) * up x) for `tokens` rows.
-void gated_ffn(const GatedFfn& f, const float* x, int64_t tokens, float* out, ThreadPool& pool);
+void gated_ffn(const GatedFfn& f, const float* x, int64_t tokens, float* out, ThreadPool& pool,
+               const LinearObserver* observe = nullptr);
 
 }  // namespace kestrel::cpu

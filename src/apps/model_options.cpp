@@ -1,0 +1,54 @@
+#include "apps/model_options.h"
+
+#include <cstdio>
+
+#include "common/error.h"
+#include "common/thread_pool.h"
+#include "quant/requantize.h"
+#include "quant/targets.h"
+
+namespace kestrel::apps {
+
+std::vector<int32_t> parse_token_ids(const std::string& s, const std::string& option) {
+  std::vector<int32_t> out;
+  size_t i = 0;
+  while (i < s.size()) {
+    size_t j = s.find(',', i);
+    if (j == std::string::npos) j = s.size();
+    const std::string item = s.substr(i, j - i);
+    try {
+      size_t used = 0;
+      long long v = std::stoll(item, &used);
+      if (used != item.size() || v < 0 || v > INT32_MAX) throw std::invalid_argument(item);
+      out.push_back(int32_t(v));
+    } catch (const std::exception&) {
+      fail(option, ": '", item, "' is not a token id (expected comma-separated non-negative integers)");
+    }
+    i = j + 1;
+  }
+  if (out.empty()) fail(option, ": no token ids given");
+  return out;
+}
+
+void add_quant_option(CLI::App& app, std::string& quant) {
+  app.add_option("--quant", quant,
+                 "none (weights as stored) or nvfp4 (requantize the linears to NVFP4 at load, as kestrel quantize "
+                 "would; LM head, routers and embeddings stay as stored)");
+}
+
+void check_quant_option(const std::string& quant) {
+  if (quant != "none" && quant != "nvfp4") fail("--quant: expected none or nvfp4, got '", quant, "'");
+}
+
+std::unique_ptr<Model> load_model_as(const std::string& path, const std::string& quant, Progress progress) {
+  check_quant_option(quant);
+  auto m = load_model(path, progress);
+  if (quant == "nvfp4") {
+    const bool shown = progress_shown(progress);
+    const int n = requantize_nvfp4(*m, nvfp4_settings(m->config, {}, "--quant nvfp4"), ThreadPool::global(), shown);
+    if (shown) std::fprintf(stderr, "requantized %d linears to NVFP4\n", n);
+  }
+  return m;
+}
+
+}  // namespace kestrel::apps

@@ -1,0 +1,27 @@
+// Options shared by the commands that load and run a model: token id lists, and `--quant`, which
+// keeps the weights as stored or requantizes them to NVFP4 at load.
+#pragma once
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/load_progress.h"
+#include "model/weights.h"
+
+namespace kestrel::apps {
+
+// Comma-separated non-negative token ids ("1,2,3"); errors name `option`.
+std::vector<int32_t> parse_token_ids(const std::string& s, const std::string& option);
+
+// --quant none|nvfp4 (default none).
+void add_quant_option(CLI::App& app, std::string& quant);
+void check_quant_option(const std::string& quant);
+
+// load_model, then with quant "nvfp4" every linear ModelOpt would quantize (all but the LM head,
+// routers and embeddings) requantized to NVFP4 in memory, by the quantizer of `kestrel quantize`.
+std::unique_ptr<Model> load_model_as(const std::string& path, const std::string& quant,
+                                     Progress progress = Progress::Auto);
+
+}  // namespace kestrel::apps
