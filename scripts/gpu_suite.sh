@@ -39,7 +39,40 @@ import numpy as np, sys
 a, b = (np.fromfile(sys.argv[i], dtype=np.float32) for i in (1, 2))
 print(f'cli: kestrel logits --device cuda vs cpu on $fx: rel L2 {np.linalg.norm(a - b) / np.linalg.norm(b):.2e}')
 " "$OUT/logits_cuda.bin" "$OUT/logits_cpu.bin" | tee -a "$OUT/cli.txt"
-# Perplexity on the GPU against the CPU: the real model (when fetched) quantized to NVFP4.
+# Perplexity on the GPU against the CPU: a fixture given a byte-level tokenizer of its 256 ids
+# (always), and the real model quantized to NVFP4 (when fetched; too large to carry to a GPU machine).
+pdir=$(mktemp -d)
+cp -r tests/fixtures/glm5-nvfp4 "$pdir/m"
+python3 - "$pdir/m/tokenizer.json" <<'PY'
+import json, sys
+# GPT-2's byte-to-character table: printable bytes map to themselves, the rest to 256 + i.
+keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+chars, extra = {}, 0
+for b in range(256):
+    if b in keep:
+        chars[b] = chr(b)
+    else:
+        chars[b] = chr(256 + extra)
+        extra += 1
+vocab = {chars[b]: b for b in range(256)}
+json.dump({"version": "1.0", "added_tokens": [], "normalizer": None,
+           "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+           "post_processor": None, "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+           "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                     "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                     "vocab": vocab, "merges": []}}, open(sys.argv[1], "w"))
+PY
+head -c 600 docs/data/pride_and_prejudice_ch1.txt >"$OUT/slice_bytes.txt"
+for d in cpu cuda; do
+  "$BUILD/src/kestrel" perplexity --model "$pdir/m" --text "$OUT/slice_bytes.txt" --context 200 --stride 100 --device "$d" \
+    --json "$OUT/ppl_fixture_$d.json" >>"$OUT/cli.txt" 2>&1
+done
+rm -rf "$pdir"
+python3 -c "
+import json, sys
+a, b = (json.load(open(sys.argv[i]))['perplexity'] for i in (1, 2))
+print(f'cli: kestrel perplexity --device cuda {a:.6f} vs cpu {b:.6f} on the glm5-nvfp4 fixture (bytes): rel diff {abs(a - b) / b:.2e}')
+" "$OUT/ppl_fixture_cuda.json" "$OUT/ppl_fixture_cpu.json" | tee -a "$OUT/cli.txt"
 gguf=models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ -f "$gguf" ]; then
   qdir=$(mktemp -d)
