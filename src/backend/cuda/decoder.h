@@ -60,7 +60,8 @@ class Decoder {
   int max_batch_, max_context_, launches_ = 0;
   bool one_sequence_;
   std::vector<void*> buffers_;
-  float *x_, *xn_, *q_, *k_, *v_, *att_, *act_, *logits_, *kv_k_, *kv_v_, *att_scratch_;
+  float *x_ = nullptr, *xn_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *att_ = nullptr, *act_ = nullptr;
+  float *logits_ = nullptr, *kv_k_ = nullptr, *kv_v_ = nullptr, *att_scratch_ = nullptr;  // MLA: kv_v_ == kv_k_
   AttentionSplit split_;
   // MLA: q latent, kv latent, queries, queries in latent space, latent attention output, values;
   // DSA indexer: queries, key, head weights, scores, selected positions and their count.
