@@ -8,6 +8,8 @@ Face `tokenizers` library (pip install tokenizers) returns for every line of cor
 multi-line cases and the whole corpus as one string. The C++ tests must reproduce them exactly.
 
 Usage: python3 scripts/make_tokenizer_fixtures.py
+       python3 scripts/make_tokenizer_fixtures.py --real   # references for the real tokenizers that
+                                                           # scripts/fetch_tokenizers.sh fetches
 """
 import json
 import pathlib
@@ -265,12 +267,42 @@ def compact(obj):
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
+# Real tokenizers fetched into models/ (not committed): name -> path from the repository root.
+REAL = {"deepseek_v3": "models/tokenizers/deepseek-v3/tokenizer.json"}
+
+
+def reference(tok_text: str, tokenizer_field: str, cases: list) -> dict:
+    tok = Tokenizer.from_str(tok_text)
+    raw = Tokenizer.from_str(tok_text)
+    raw.encode_special_tokens = True
+    out = []
+    for case in cases:
+        t = case["text"]
+        ids = tok.encode(t, add_special_tokens=True).ids
+        out.append({**case,
+                    "ids": ids,
+                    "ids_plain": tok.encode(t, add_special_tokens=False).ids,
+                    "ids_unparsed": raw.encode(t, add_special_tokens=True).ids,
+                    "decoded": tok.decode(ids, skip_special_tokens=False),
+                    "decoded_skip": tok.decode(ids, skip_special_tokens=True)})
+    return {"tokenizer": tokenizer_field, "tokenizers_version": tokenizers.__version__,
+            "vocab_size": tok.get_vocab_size(with_added_tokens=True), "cases": out}
+
+
 def main():
+    import sys
     corpus = (DATA / "corpus.txt").read_bytes().decode("utf-8")
     assert "\r" in corpus, "corpus.txt lost its CR LF lines"
     lines = corpus.split("\n")
     cases = [{"text": t} for t in lines] + [{"text": t, "extra": True} for t in EXTRA_CASES]
     cases.append({"text": corpus, "whole": True})
+
+    if "--real" in sys.argv[1:]:
+        for name, rel in REAL.items():
+            ref = reference((ROOT / rel).read_text(encoding="utf-8"), "repo:" + rel, cases)
+            (DATA / f"{name}.ref.json").write_text(compact(ref) + "\n", encoding="utf-8")
+            print(f"{name}: {ref['vocab_size']} tokens, {len(cases)} cases")
+        return
 
     for name, build in FIXTURES.items():
         j = build()
