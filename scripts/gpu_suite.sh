@@ -62,32 +62,27 @@ json.dump({"version": "1.0", "added_tokens": [], "normalizer": None,
                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
                      "vocab": vocab, "merges": []}}, open(sys.argv[1], "w"))
 PY
-head -c 600 docs/data/pride_and_prejudice_ch1.txt >"$OUT/slice_bytes.txt"
-for d in cpu cuda; do
-  "$BUILD/src/kestrel" perplexity --model "$pdir/m" --text "$OUT/slice_bytes.txt" --context 200 --stride 100 --device "$d" \
-    --json "$OUT/ppl_fixture_$d.json" >>"$OUT/cli.txt" 2>&1
-done
-rm -rf "$pdir"
-python3 -c "
+# ppl_cuda_vs_cpu ID LABEL MODEL BYTES CONTEXT STRIDE: perplexity of the first BYTES of the committed text.
+ppl_cuda_vs_cpu() {
+  head -c "$4" docs/data/pride_and_prejudice_ch1.txt >"$OUT/slice_$1.txt"
+  for d in cpu cuda; do
+    "$BUILD/src/kestrel" perplexity --model "$3" --text "$OUT/slice_$1.txt" --context "$5" --stride "$6" --device "$d" \
+      --json "$OUT/ppl_$1_$d.json" >>"$OUT/cli.txt" 2>&1
+  done
+  python3 -c "
 import json, sys
 a, b = (json.load(open(sys.argv[i]))['perplexity'] for i in (1, 2))
-print(f'cli: kestrel perplexity --device cuda {a:.6f} vs cpu {b:.6f} on the glm5-nvfp4 fixture (bytes): rel diff {abs(a - b) / b:.2e}')
-" "$OUT/ppl_fixture_cuda.json" "$OUT/ppl_fixture_cpu.json" | tee -a "$OUT/cli.txt"
+print(f'cli: kestrel perplexity --device cuda {a:.6f} vs cpu {b:.6f} on $2: rel diff {abs(a - b) / b:.2e}')
+" "$OUT/ppl_$1_cuda.json" "$OUT/ppl_$1_cpu.json" | tee -a "$OUT/cli.txt"
+}
+ppl_cuda_vs_cpu fixture "the glm5-nvfp4 fixture (bytes)" "$pdir/m" 600 200 100
+rm -rf "$pdir"
 gguf=models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ -f "$gguf" ]; then
   qdir=$(mktemp -d)
   "$BUILD/src/kestrel" quantize --model "$gguf" --out "$qdir/nvfp4" --calib-max-tokens 64 >>"$OUT/cli.txt" 2>&1
-  head -c 2000 docs/data/pride_and_prejudice_ch1.txt >"$OUT/slice.txt"
-  for d in cpu cuda; do
-    "$BUILD/src/kestrel" perplexity --model "$qdir/nvfp4" --text "$OUT/slice.txt" --context 256 --stride 128 --device "$d" \
-      --json "$OUT/ppl_$d.json" >>"$OUT/cli.txt" 2>&1
-  done
+  ppl_cuda_vs_cpu smollm2 "SmolLM2 NVFP4" "$qdir/nvfp4" 2000 256 128
   rm -rf "$qdir"
-  python3 -c "
-import json, sys
-a, b = (json.load(open(sys.argv[i]))['perplexity'] for i in (1, 2))
-print(f'cli: kestrel perplexity --device cuda {a:.6f} vs cpu {b:.6f} on SmolLM2 NVFP4: rel diff {abs(a - b) / b:.2e}')
-" "$OUT/ppl_cuda.json" "$OUT/ppl_cpu.json" | tee -a "$OUT/cli.txt"
 fi
 "$BUILD/src/kestrel" profile --model "$fx" --steps 10 --plot "$OUT/profile_fixture.svg" >>"$OUT/cli.txt" 2>&1 &&
   echo "cli: kestrel profile on $fx: ok" | tee -a "$OUT/cli.txt"

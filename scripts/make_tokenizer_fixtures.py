@@ -308,23 +308,9 @@ def main():
         j = build()
         text = compact(j)
         (DATA / f"{name}.json").write_text(text, encoding="utf-8")
-        tok = Tokenizer.from_str(text)
-        raw = Tokenizer.from_str(text)
-        raw.encode_special_tokens = True
-        out = []
-        for case in cases:
-            t = case["text"]
-            ids = tok.encode(t, add_special_tokens=True).ids
-            out.append({**case,
-                        "ids": ids,
-                        "ids_plain": tok.encode(t, add_special_tokens=False).ids,
-                        "ids_unparsed": raw.encode(t, add_special_tokens=True).ids,
-                        "decoded": tok.decode(ids, skip_special_tokens=False),
-                        "decoded_skip": tok.decode(ids, skip_special_tokens=True)})
-        ref = {"tokenizer": f"{name}.json", "tokenizers_version": tokenizers.__version__,
-               "vocab_size": tok.get_vocab_size(with_added_tokens=True), "cases": out}
+        ref = reference(text, f"{name}.json", cases)
         (DATA / f"{name}.ref.json").write_text(compact(ref) + "\n", encoding="utf-8")
-        print(f"{name}: {len(j['model']['vocab'])} tokens, {len(j['model']['merges'])} merges, {len(out)} cases")
+        print(f"{name}: {len(j['model']['vocab'])} tokens, {len(j['model']['merges'])} merges, {len(cases)} cases")
 
     samples = lines + EXTRA_CASES
     comps = []

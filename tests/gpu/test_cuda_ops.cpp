@@ -545,7 +545,7 @@ TEST(CudaOps, MlaAttentionMatchesCpu) {
     DeviceBuffer<float> dq(q), dqa(size_t(B) * heads * lat), datt(size_t(B) * heads * m.kv_lora_rank),
         dout(size_t(B) * heads * m.v_head_dim);
     DeviceBuffer<int32_t> dpos(pos);
-    const cuda::AttentionSplit split = cuda::mla_split(ctx);
+    const cuda::AttentionSplit split = cuda::attention_split(ctx);
     DeviceBuffer<float> scratch(cuda::attention_scratch_floats(B, heads, int(m.kv_lora_rank), split));
     std::vector<int32_t> sel(size_t(B) * ctx, 0), cnt(B);
     for (int b = 0; b < B; ++b) {

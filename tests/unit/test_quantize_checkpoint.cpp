@@ -26,6 +26,7 @@
 #include "quant/targets.h"
 #include "run_cli.h"
 #include "st_writer.h"
+#include "same_nvfp4.h"
 
 namespace kestrel {
 namespace {
@@ -373,15 +374,7 @@ TEST(QuantizeGguf, Nvfp4ExportEqualsQuantOption) {
   ThreadPool pool(2);
   requantize_nvfp4(*g, nvfp4_settings(g->config, {}, "test"), pool);
   auto h = load_model(out.string());
-  auto gt = quant_targets(*g), ht = quant_targets(*h);
-  ASSERT_EQ(gt.size(), ht.size());
-  for (size_t i = 0; i < gt.size(); ++i) {
-    const Linear &a = *gt[i].linear, &b = *ht[i].linear;
-    ASSERT_EQ(b.format, WeightFormat::NVFP4) << ht[i].module;
-    EXPECT_EQ(a.scale2, b.scale2) << ht[i].module;
-    EXPECT_EQ(std::memcmp(a.data, b.data, size_t(a.out * a.in / 2)), 0) << ht[i].module;
-    EXPECT_EQ(std::memcmp(a.scales, b.scales, size_t(a.out * a.in / 16)), 0) << ht[i].module;
-  }
+  test::expect_same_nvfp4(*g, *h);
 }
 
 struct Case {

@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const fl
   if (lane == 0) out[hd] = M, out[hd + 1] = L;
 }
 
-constexpr int kMaxSplits = 256;  // attention_split makes at most 64, MLA's split at most 256
+constexpr int kMaxSplits = 64;  // attention_split never makes more
 constexpr int kSplitsPerLane = kMaxSplits / 32, kCombineDims = 128;
 
 // Block (head, sequence, 128 dimensions): the first warp turns the splits' maxima and sums into

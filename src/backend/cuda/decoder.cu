@@ -50,7 +50,6 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
     mla_.q_abs = buffer<float>(B * nq * lat);
     mla_.att = buffer<float>(B * nq * size_t(m.kv_lora_rank));
     mla_.v = buffer<float>(B * nq * size_t(m.v_head_dim));
-    split_ = mla_split(max_context);
     att_scratch_ = buffer<float>(attention_scratch_floats(max_batch, int(nq), int(m.kv_lora_rank), split_));
     kv_k_ = buffer<float>(seqs * layers * ctx * lat);  // the latent rows; v reads the same rows
     kv_v_ = kv_k_;

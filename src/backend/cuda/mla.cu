@@ -382,13 +382,6 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(const float
 
 }  // namespace
 
-AttentionSplit mla_split(int max_context) {
-  AttentionSplit s;
-  s.splits = std::min(64, std::max(1, (max_context + 63) / 64));
-  s.chunk = (max_context + s.splits - 1) / s.splits;
-  return s;
-}
-
 void launch_mla_latent_store(const float* kv, int batch, const MlaShape& m, const float* norm, float eps,
                              const RopeArgs& rope, const int32_t* positions, KvLayer cache, cudaStream_t s) {
   launch(mla_latent_store_kernel, dim3(unsigned(batch)), dim3(256), size_t(m.latent()) * sizeof(float), s, kv, m,

@@ -37,13 +37,11 @@ struct AttentionSelect {
   int stride = 0;
 };
 
-// How MLA attention cuts the positions: at most 64 splits of at least 64 positions (measured on
-// the H200 at GLM-5's shape: chunks of 16 positions were slower, the per-block start-up dominating).
-AttentionSplit mla_split(int max_context);
-
 // Attention of every head over the latent rows of its sequence (keys: the whole row; values: the
-// first rank values), split over positions like decode attention; a block serves 8 heads so each
-// row is read once per 8 heads. q_latent: [B, heads, latent]; out: [B, heads, rank].
+// first rank values), split over positions as decode attention is (`attention_split`: chunks of
+// 16 positions measured slower on the H200 at GLM-5's shape, the per-block start-up dominating);
+// a block serves 8 heads so each row is read once per 8 heads. q_latent: [B, heads, latent];
+// out: [B, heads, rank].
 void launch_mla_attention(const float* q_latent, int batch, const MlaShape& m, float scale, const int32_t* positions,
                           KvLayer cache, const AttentionSplit& split, AttentionSelect select, float* scratch,
                           float* out, cudaStream_t s);
