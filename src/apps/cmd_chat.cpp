@@ -31,6 +31,7 @@ struct Options {
   int threads = 0;
   Progress progress = Progress::Auto;
   std::string quant = "none";
+  Layout layout;
 };
 
 
@@ -45,6 +46,7 @@ Run add_chat(CLI::App& app) {
   add_reply_options(app, o->reply);
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   add_quant_option(app, o->quant);
+  add_layout_options(app, o->layout);
   app.add_option("--device", o->device, "auto (the GPU when it can run the model), cpu or cuda");
   add_progress_flag(app, o->progress);
   return [o]() {
@@ -58,7 +60,7 @@ Run add_chat(CLI::App& app) {
     auto model = load_model_as(o->model, o->quant, o->progress);
     const text::ModelChat chat = text::load_model_chat(*model, o->model);
     if (model->config.max_position_embeddings > 0) o->context = std::min(o->context, model->config.max_position_embeddings);
-    auto runner = Runner::make(*model, o->device, o->context, o->threads);
+    auto runner = Runner::make(*model, o->device, o->context, o->threads, o->layout);
     const bool tty = isatty(STDIN_FILENO);
     std::fprintf(stderr, "kestrel chat (%s, context %lld): /reset starts over, /quit or Ctrl-D ends\n",
                  runner->describe().c_str(), (long long)o->context);

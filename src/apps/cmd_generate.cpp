@@ -30,6 +30,7 @@ struct Options {
   std::string device = "auto";
   Progress progress = Progress::Auto;
   std::string quant = "none";
+  Layout layout;
 };
 
 
@@ -44,6 +45,7 @@ Run add_generate(CLI::App& app) {
   add_reply_options(app, o->reply);
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   add_quant_option(app, o->quant);
+  add_layout_options(app, o->layout);
   app.add_option("--device", o->device, "auto (the GPU when it can run the model), cpu or cuda");
   add_progress_flag(app, o->progress);
   return [o]() {
@@ -72,7 +74,7 @@ Run add_generate(CLI::App& app) {
     const int64_t V = model->config.vocab_size;
     for (int32_t id : prompt)
       if (id < 0 || id >= V) fail("--prompt: token id ", id, " is outside the model's vocabulary of ", V);
-    auto runner = Runner::make(*model, o->device, int64_t(prompt.size()) + o->reply.max_tokens + 1, o->threads);
+    auto runner = Runner::make(*model, o->device, int64_t(prompt.size()) + o->reply.max_tokens + 1, o->threads, o->layout);
     std::vector<int32_t> history = prompt;
     const Reply r = reply(*runner, tok, model->config.eos_token_ids, prompt, history, prompt.size(), o->reply, write_stdout);
     write_stdout("\n");

@@ -18,6 +18,7 @@ struct Options {
   bool decode = false;
   int threads = 0;
   std::string device = "auto", quant = "none";
+  Layout layout;
   Progress progress = Progress::Auto;
 };
 
@@ -33,13 +34,14 @@ Run add_logits(CLI::App& app) {
   app.add_option("--device", o->device, "auto (the GPU when it can run the model), cpu or cuda");
   add_progress_flag(app, o->progress);
   add_quant_option(app, o->quant);
+  add_layout_options(app, o->layout);
   return [o]() {
     check_device_option(o->device);
     check_quant_option(o->quant);
     const std::vector<int32_t> tokens = parse_token_ids(o->tokens, "--tokens");
     auto model = load_model_as(o->model, o->quant, o->progress);
     const int64_t V = model->config.vocab_size, T = int64_t(tokens.size());
-    auto runner = Runner::make(*model, o->device, T, o->threads);
+    auto runner = Runner::make(*model, o->device, T, o->threads, o->layout);
     std::vector<float> logits(static_cast<size_t>(T * V));
     const auto t0 = std::chrono::steady_clock::now();
     if (o->decode) {

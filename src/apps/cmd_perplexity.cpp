@@ -27,6 +27,7 @@ constexpr int64_t kChunk = 64;  // positions whose logits are held at once, per 
 
 struct Options {
   std::string model, text, reference, device = "auto", quant = "none", json;
+  Layout layout;
   int64_t context = -1, stride = -1, max_tokens = 0;  // -1: not given
   int threads = 0;
 };
@@ -52,6 +53,7 @@ Run add_perplexity(CLI::App& app) {
   app.add_option("--device", o->device, "auto (the GPU when it can run the model), cpu or cuda");
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   add_quant_option(app, o->quant);
+  add_layout_options(app, o->layout);
   return [o]() {
     check_device_option(o->device);
     check_quant_option(o->quant);
@@ -93,8 +95,8 @@ Run add_perplexity(CLI::App& app) {
     const std::vector<PerplexityWindow> windows = perplexity_windows(int64_t(ids.size()), context, stride);
 
     const int64_t V = c.vocab_size;
-    m.runner = Runner::make(*m.model, o->device, context, o->threads);
-    if (r.model) r.runner = Runner::make(*r.model, o->device, context, o->threads);
+    m.runner = Runner::make(*m.model, o->device, context, o->threads, o->layout);
+    if (r.model) r.runner = Runner::make(*r.model, o->device, context, o->threads, o->layout);
     int64_t to_score = 0;
     for (const auto& w : windows) to_score += w.end - w.first_scored;
 

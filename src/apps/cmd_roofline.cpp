@@ -6,6 +6,7 @@
 #include <string>
 
 #include "apps/commands.h"
+#include "apps/model_options.h"
 #include "common/error.h"
 #include "formats/json_file.h"
 #include "plan/roofline.h"
@@ -16,7 +17,8 @@ namespace {
 struct Options {
   std::string model, gpu = "h200", quant = "checkpoint";
   double bandwidth = 0, kv_bytes = 2;
-  int tp = 1, ep = 1, batch = 1;
+  Layout layout;
+  int batch = 1;
   int64_t context = 4096;
   bool json = false;
 };
@@ -34,8 +36,7 @@ Run add_roofline(CLI::App& app) {
   app.add_option("--model", o->model, "Model folder or its config.json (no weights needed)")->required();
   app.add_option("--gpu", o->gpu, "h100, h200, b200, rtx-pro-6000, rtx-5090, rtx-4090 (default h200)");
   app.add_option("--bandwidth", o->bandwidth, "Memory bandwidth in GB/s, e.g. a measured one (default: the GPU's)");
-  app.add_option("--tp", o->tp, "Tensor-parallel GPUs (default 1)");
-  app.add_option("--ep", o->ep, "Expert parallelism: 1 (experts split by --tp) or --tp (whole experts per GPU)");
+  add_layout_options(app, o->layout);
   app.add_option("--batch", o->batch, "Sequences decoded together (default 1)");
   app.add_option("--context", o->context, "Cached positions each sequence attends to (default 4096)");
   app.add_option("--kv-bytes", o->kv_bytes, "Bytes per cached value: 2 BF16 (default), 1 FP8, 4 float32");
@@ -54,7 +55,7 @@ Run add_roofline(CLI::App& app) {
     const StepShapes s = step_shapes(read_json_file(path), path, q);
     const GpuSpec& gpu = find_gpu(o->gpu);
     const double bw = o->bandwidth > 0 ? o->bandwidth : gpu.bandwidth_gbs;
-    const Roofline r = roofline(s, Layout{o->tp, o->ep}, o->batch, o->context, o->kv_bytes, bw, gpu);
+    const Roofline r = roofline(s, o->layout, o->batch, o->context, o->kv_bytes, bw, gpu);
     const double tok_s = 1e3 * o->batch / r.floor_ms;
 
     if (o->json) {
@@ -63,7 +64,7 @@ Run add_roofline(CLI::App& app) {
       parts["KV cache"] = r.kv_bytes;
       nlohmann::ordered_json j = {
           {"model", path}, {"architecture", s.architecture}, {"gpu", gpu.full_name}, {"bandwidth_gbs", bw},
-          {"tp", o->tp}, {"ep", o->ep}, {"batch", o->batch}, {"context", o->context}, {"kv_bytes_per_value", o->kv_bytes},
+          {"tp", o->layout.tp}, {"ep", o->layout.ep}, {"batch", o->batch}, {"context", o->context}, {"kv_bytes_per_value", o->kv_bytes},
           {"quant", o->quant}, {"bytes_per_gpu", parts}, {"bytes_per_step", r.total_bytes()},
           {"bytes_per_token", r.total_bytes() / o->batch}, {"expected_experts_per_layer", r.expected_experts},
           {"resident_weight_bytes_per_gpu", r.resident_bytes}, {"allreduces", r.allreduces},
@@ -77,9 +78,9 @@ Run add_roofline(CLI::App& app) {
                 (long long)s.moe_layers);
     if (s.experts) std::printf(": %lld experts, top-%lld", (long long)s.experts, (long long)s.experts_per_token);
     std::printf("), hidden %lld, %s attention\n", (long long)s.hidden, s.mla ? "MLA" : "GQA");
-    std::printf("GPUs: %d x %s, %.0f GB/s%s, %s %.0f GB/s; TP %d, EP %d\n", std::max(o->tp, o->ep),
-                gpu.full_name.c_str(), bw, o->bandwidth > 0 ? " (given)" : "", gpu.link.c_str(), gpu.link_gbs, o->tp,
-                o->ep);
+    std::printf("GPUs: %d x %s, %.0f GB/s%s, %s %.0f GB/s; TP %d, EP %d\n", std::max(o->layout.tp, o->layout.ep),
+                gpu.full_name.c_str(), bw, o->bandwidth > 0 ? " (given)" : "", gpu.link.c_str(), gpu.link_gbs, o->layout.tp,
+                o->layout.ep);
     std::printf("batch %d, context %lld, %g bytes per cached value, formats: %s\n", o->batch, (long long)o->context,
                 o->kv_bytes, o->quant.c_str());
     std::printf("weights held per GPU: %.1f GB of %.0f GB%s\n\n", r.resident_bytes / 1e9, gpu.memory_gb,
@@ -91,7 +92,7 @@ Run add_roofline(CLI::App& app) {
     std::printf("  %-18s %10s %5.1f%%  %s\n", "KV cache", mb(r.kv_bytes).c_str(), 100 * r.kv_bytes / r.total_bytes(),
                 s.mla ? (s.attended_positions_cap ? "latent of the top positions + indexer keys of all, on every GPU"
                                                   : "latent on every GPU")
-                      : (o->tp > s.kv_heads ? "KV heads replicated (fewer heads than GPUs)" : "split by KV head"));
+                      : (o->layout.tp > s.kv_heads ? "KV heads replicated (fewer heads than GPUs)" : "split by KV head"));
     std::printf("  %-18s %10s\n\n", "total", mb(r.total_bytes()).c_str());
     if (r.allreduces)
       std::printf("communication: %d all-reduces of %.1f KB per step: %.3f ms (%.0f us latency each, assumed for %s;\n"

@@ -28,6 +28,7 @@ struct Options {
   double grace = 10.0;
   Progress progress = Progress::Auto;
   std::string quant = "none";
+  Layout layout;
 };
 
 }  // namespace
@@ -46,6 +47,7 @@ Run add_serve(CLI::App& app) {
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   add_progress_flag(app, o->progress);
   add_quant_option(app, o->quant);
+  add_layout_options(app, o->layout);
   return [o]() {
     check_quant_option(o->quant);
     if (o->port < 0 || o->port > 65535) fail("--port: expected 0..65535, got ", o->port);
@@ -71,6 +73,7 @@ Run add_serve(CLI::App& app) {
     eo.context = o->context;
     eo.kv_tokens = o->kv_tokens;
     eo.threads = o->threads;
+    eo.layout = o->layout;
     Engine engine(*model, eo);
 
     server::ServerOptions so;

@@ -36,6 +36,13 @@ void add_quant_option(CLI::App& app, std::string& quant) {
                  "would; LM head, routers and embeddings stay as stored)");
 }
 
+void add_layout_options(CLI::App& app, Layout& layout) {
+  app.add_option("--tp", layout.tp,
+                 "Tensor-parallel ranks: GPUs, or threads on the CPU (default 1). Heads, FFNs and the LM head are "
+                 "split, norms, routers and embeddings replicated");
+  app.add_option("--ep", layout.ep, "Expert parallelism: 1 (each expert split by --tp) or --tp (whole experts per rank)");
+}
+
 void check_quant_option(const std::string& quant) {
   if (quant != "none" && quant != "nvfp4") fail("--quant: expected none or nvfp4, got '", quant, "'");
 }

@@ -1,5 +1,5 @@
-// Options shared by the commands that load and run a model: token id lists, and `--quant`, which
-// keeps the weights as stored or requantizes them to NVFP4 at load.
+// Options shared by the commands that load and run a model: token id lists, `--quant`, which
+// keeps the weights as stored or requantizes them to NVFP4 at load, and the split `--tp/--ep`.
 #pragma once
 #include <CLI/CLI.hpp>
 #include <cstdint>
@@ -9,6 +9,7 @@
 
 #include "model/load_progress.h"
 #include "model/weights.h"
+#include "parallel/layout.h"
 
 namespace kestrel::apps {
 
@@ -18,6 +19,9 @@ std::vector<int32_t> parse_token_ids(const std::string& s, const std::string& op
 // --quant none|nvfp4 (default none).
 void add_quant_option(CLI::App& app, std::string& quant);
 void check_quant_option(const std::string& quant);
+
+// --tp N --ep M: how the model is split over GPUs (threads on the CPU); see parallel/layout.h.
+void add_layout_options(CLI::App& app, Layout& layout);
 
 // load_model, then with quant "nvfp4" every linear ModelOpt would quantize (all but the LM head,
 // routers and embeddings) requantized to NVFP4 in memory, by the quantizer of `kestrel quantize`.

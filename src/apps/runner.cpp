@@ -18,8 +18,9 @@ namespace {
 
 class CpuRunner final : public Runner {
  public:
-  CpuRunner(const Model& m, int64_t capacity, int threads)
-      : pool_(threads), fwd_(m, pool_), cache_(fwd_.make_cache(capacity)), vocab_(m.config.vocab_size) {}
+  CpuRunner(const Model& m, int64_t capacity, int threads, const Layout& layout)
+      : pool_(threads), fwd_(m, pool_, layout), cache_(fwd_.make_cache(capacity)), vocab_(m.config.vocab_size),
+        layout_(layout) {}
   void run(std::span<const int32_t> tokens, float* logits, bool all) override {
     if (!logits || all || tokens.size() == 1) {
       fwd_.run(tokens, cache_, logits);
@@ -32,19 +33,23 @@ class CpuRunner final : public Runner {
   void reset() override { cache_.clear(); }
   int64_t position() const override { return cache_.length(); }
   int64_t vocab() const override { return vocab_; }
-  std::string describe() const override { return "cpu, " + std::to_string(pool_.size()) + " threads"; }
+  std::string describe() const override {
+    return "cpu, " + std::to_string(pool_.size()) + " threads" + (layout_.split() ? ", " + layout_.str() + " over threads" : "");
+  }
 
  private:
   ThreadPool pool_;
   cpu::Forward fwd_;
   KvCache cache_;
   int64_t vocab_;
+  Layout layout_;
 };
 
 #ifdef KESTREL_HAVE_CUDA
 class CudaRunner final : public Runner {
  public:
-  CudaRunner(const Model& m, int64_t capacity) {
+  CudaRunner(const Model& m, int64_t capacity, const Layout& layout) {
+    if (layout.split()) fail("--tp/--ep on the GPU: not available in this build yet");
     if (capacity > INT32_MAX) fail("a context of ", capacity, " tokens is too long for the CUDA backend");
     model_ = cuda::DeviceModel::upload(m);
     session_ = std::make_unique<cuda::Session>(*model_, int(capacity));
@@ -76,16 +81,18 @@ void check_device_option(const std::string& device) {
     fail("--device: expected auto, cpu or cuda, got '", device, "'");
 }
 
-std::unique_ptr<Runner> Runner::make(const Model& model, const std::string& device, int64_t capacity, int threads) {
+std::unique_ptr<Runner> Runner::make(const Model& model, const std::string& device, int64_t capacity, int threads,
+                                     const Layout& layout) {
   check_device_option(device);
+  check_layout(layout, long(model.config.num_experts));
 #ifdef KESTREL_HAVE_CUDA
   if (device == "cuda") {
     if (!gpu_present()) fail("--device cuda: no CUDA GPU is visible");
-    return std::make_unique<CudaRunner>(model, capacity);
+    return std::make_unique<CudaRunner>(model, capacity, layout);
   }
   if (device == "auto" && gpu_present()) {
     try {
-      return std::make_unique<CudaRunner>(model, capacity);
+      return std::make_unique<CudaRunner>(model, capacity, layout);
     } catch (const Error& e) {
       std::fprintf(stderr, "kestrel: running on the CPU: %s\n", e.what());
     }
@@ -93,7 +100,7 @@ std::unique_ptr<Runner> Runner::make(const Model& model, const std::string& devi
 #else
   if (device == "cuda") fail("--device cuda: this kestrel was built without CUDA");
 #endif
-  return std::make_unique<CpuRunner>(model, capacity, threads);
+  return std::make_unique<CpuRunner>(model, capacity, threads, layout);
 }
 
 }  // namespace kestrel::apps

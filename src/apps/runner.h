@@ -8,13 +8,16 @@
 #include <string>
 
 #include "model/weights.h"
+#include "parallel/layout.h"
 
 namespace kestrel::apps {
 
 class Runner {
  public:
-  // capacity: the most tokens the sequence will hold; threads: CPU threads (0: all cores).
-  static std::unique_ptr<Runner> make(const Model& model, const std::string& device, int64_t capacity, int threads);
+  // capacity: the most tokens the sequence will hold; threads: CPU threads (0: all cores);
+  // layout: the split over GPUs (over threads on the CPU).
+  static std::unique_ptr<Runner> make(const Model& model, const std::string& device, int64_t capacity, int threads,
+                                      const Layout& layout = {});
   virtual ~Runner() = default;
   // Runs `tokens` at the next positions: all at once on the CPU (prefill), one decode step per
   // token on the GPU. `logits` receives [tokens, vocab] if `all`, else the last token's [vocab].

@@ -72,6 +72,16 @@ size_t Linear::row_bytes() const {
   }
 }
 
+int64_t Linear::block() const {
+  switch (format) {
+    case WeightFormat::F32:
+    case WeightFormat::F16:
+    case WeightFormat::BF16: return 1;
+    case WeightFormat::NVFP4: return kNvfp4Block;
+    default: return ggml_type_info(uint32_t(ggml_type_of(format)))->block;
+  }
+}
+
 size_t Linear::bytes() const { return row_bytes() * size_t(out); }
 
 void Linear::dequant_row(int64_t row, float* o) const {

@@ -42,6 +42,7 @@ struct Linear {
 
   size_t row_bytes() const;   // stored bytes of one row (scales included)
   size_t bytes() const;       // stored bytes of the whole matrix
+  int64_t block() const;      // input values per stored block: 1 for F32/F16/BF16, 16 for NVFP4, ggml's block
   void dequant_row(int64_t row, float* out_row) const;
 };
 
@@ -53,7 +54,8 @@ struct GatedFfn {
 struct MoeWeights {
   Linear router;                       // [experts, hidden], never quantized
   std::vector<float> correction_bias;  // sigmoid routers only
-  std::vector<GatedFfn> experts;
+  std::vector<GatedFfn> experts;      // experts first_expert .. first_expert + size() - 1
+  int64_t first_expert = 0;            // nonzero on the ranks of an expert-parallel split
   bool has_shared = false;
   GatedFfn shared;
 };

@@ -177,9 +177,7 @@ StepShapes step_shapes(const ModelConfig& c, QuantWhatIf quant) {
 Roofline roofline(const StepShapes& s, const Layout& layout, int batch, int64_t context, double kv_bytes,
                   double bandwidth_gbs, const GpuSpec& link) {
   const int tp = layout.tp, ep = layout.ep;
-  if (tp < 1) fail("--tp: must be at least 1, got ", tp);
-  if (ep != 1 && ep != tp) fail("--ep: must be 1 (experts split by tensor parallelism) or equal to --tp (", tp, "), got ", ep);
-  if (ep > 1 && s.experts > 0 && s.experts % ep != 0) fail("--ep ", ep, ": ", s.experts, " experts do not divide evenly");
+  check_layout(layout, long(s.experts));
   if (batch < 1) fail("--batch: must be at least 1, got ", batch);
   if (context < 1) fail("--context: must be at least 1, got ", context);
   if (bandwidth_gbs <= 0) fail("--bandwidth: must be positive");
@@ -209,9 +207,10 @@ Roofline roofline(const StepShapes& s, const Layout& layout, int batch, int64_t 
       replicated[m.part].insert(short_name(m.name));
     }
   }
-  // Embedding rows: each token's row lives on one rank of a vocabulary-split table.
-  part(Part::Embedding).bytes = B * H * 2.0 / tp;
-  r.resident_bytes += double(s.vocab) * H * 2.0 / tp;
+  // Embedding rows: the table is replicated (a row per token is little to read; splitting it by
+  // vocabulary would cost one more all-reduce per step).
+  part(Part::Embedding).bytes = B * H * 2.0;
+  r.resident_bytes += double(s.vocab) * H * 2.0;
   if (s.experts > 0) {
     const double E = double(s.experts);
     const double per_rank = ep > 1 ? E / ep : E;
@@ -228,7 +227,7 @@ Roofline roofline(const StepShapes& s, const Layout& layout, int batch, int64_t 
     if (!p.how.empty()) continue;
     if (tp == 1) p.how = "whole";
     else if (p.part == Part::Router) p.how = "replicated";
-    else if (p.part == Part::Embedding) p.how = "rows of this GPU's vocabulary share";
+    else if (p.part == Part::Embedding) p.how = "replicated (one row per token)";
     else p.how = "split " + std::to_string(tp) + " ways";
     if (tp > 1 && p.part != Part::Router && !replicated[p.part].empty()) {
       std::string names;

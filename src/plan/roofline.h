@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "parallel/layout.h"
 #include "plan/gpus.h"
 
 namespace kestrel {
@@ -59,10 +60,6 @@ StepShapes step_shapes(const nlohmann::json& config, const std::string& config_p
 struct ModelConfig;
 StepShapes step_shapes(const ModelConfig& c, QuantWhatIf quant = QuantWhatIf::Checkpoint);
 
-struct Layout {
-  int tp = 1;  // tensor-parallel ranks (the GPUs)
-  int ep = 1;  // expert-parallel ranks: 1 (experts split by TP) or tp (whole experts spread over the GPUs)
-};
 
 struct RooflinePart {
   Part part;

@@ -50,7 +50,7 @@ Engine::Engine(const Model& model, const EngineOptions& o) : model_(model), o_(o
   if (c.max_position_embeddings > 0 && context_ > c.max_position_embeddings)
     fail("--context: ", context_, " is more than the model's max_position_embeddings of ", c.max_position_embeddings);
   if (o_.kv_tokens <= 0) o_.kv_tokens = 32 * context_;
-  fwd_ = std::make_unique<cpu::Forward>(model, pool_);
+  fwd_ = std::make_unique<cpu::Forward>(model, pool_, o_.layout);
   thread_ = std::thread([this] { loop(); });
 }
 

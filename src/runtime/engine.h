@@ -18,6 +18,7 @@
 #include "common/error.h"
 #include "common/thread_pool.h"
 #include "model/weights.h"
+#include "parallel/layout.h"
 #include "runtime/sampler.h"
 
 namespace kestrel {
@@ -32,6 +33,7 @@ struct EngineOptions {
   int64_t context = 0;         // most positions one sequence may use (0: the model's, capped at 8192)
   int prefill_chunk = 64;      // prompt tokens run per sequence and step
   int threads = 0;             // CPU threads (0: all cores)
+  Layout layout;               // the model split over threads (parallel/layout.h)
 };
 
 struct GenerationRequest {

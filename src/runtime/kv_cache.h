@@ -4,6 +4,7 @@
 //   MLA: k rows hold the compressed latent (kv_lora_rank normed values, then qk_rope_head_dim rotated
 //        key values); there is no v; layers that run a DSA indexer also keep its key (index rows).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -31,6 +32,13 @@ class KvCache {
   KvCache(int64_t layers, int64_t kv_heads, int64_t head_dim, int64_t capacity)
       : KvCache(layers, KvLayout{kv_heads * head_dim, kv_heads * head_dim, 0, {}}, capacity) {}
 
+  // A split model's cache: one per rank (its KV heads, or its copy of the MLA latent), filled by
+  // the ranks; this one only counts positions.
+  explicit KvCache(std::vector<KvCache> ranks)
+      : capacity_(ranks.at(0).capacity()), ranks_(std::move(ranks)) {}
+  int ranks() const { return ranks_.empty() ? 1 : int(ranks_.size()); }
+  KvCache& rank(int r) { return ranks_.at(size_t(r)); }
+
   int64_t length() const { return length_; }
   int64_t capacity() const { return capacity_; }
   int64_t row() const { return layout_.k_row; }  // floats per position in k
@@ -50,12 +58,21 @@ class KvCache {
       fail("KV cache full: ", length_, " positions used, ", n, " more requested, capacity ", capacity_);
   }
   void commit(int64_t n) { length_ += n; }
-  void clear() { length_ = 0; }
+  void clear() {
+    length_ = 0;
+    for (KvCache& r : ranks_) r.clear();
+  }
+  // Forgets the positions from n on (a step that failed part way).
+  void truncate(int64_t n) {
+    length_ = std::min(length_, n);
+    for (KvCache& r : ranks_) r.truncate(n);
+  }
 
  private:
   KvLayout layout_;
   int64_t capacity_, length_ = 0;
   std::vector<std::vector<float>> k_, v_, index_;
+  std::vector<KvCache> ranks_;
 };
 
 }  // namespace kestrel

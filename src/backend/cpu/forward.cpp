@@ -1,12 +1,17 @@
 #include "backend/cpu/forward.h"
 
 #include <cmath>
+#include <cstring>
+#include <exception>
+#include <thread>
 
 #include "backend/cpu/attention.h"
 #include "backend/cpu/linear.h"
 #include "backend/cpu/mla.h"
 #include "backend/cpu/moe.h"
 #include "common/error.h"
+#include "parallel/shard.h"
+#include "parallel/thread_comm.h"
 
 namespace kestrel::cpu {
 namespace {
@@ -19,10 +24,51 @@ RopeTables index_rope_of(const ModelConfig& c) {
 
 }  // namespace
 
-Forward::Forward(const Model& model, ThreadPool& pool)
-    : model_(model), c_(model.config), pool_(pool), rope_(model.config.rope), index_rope_(index_rope_of(model.config)) {}
+struct Forward::Split {
+  std::vector<std::unique_ptr<Model>> shards;
+  std::vector<std::unique_ptr<ThreadPool>> pools;
+  std::vector<std::unique_ptr<Communicator>> comms;
+  std::vector<std::unique_ptr<Forward>> ranks;
+  std::vector<std::vector<float>> logits;  // ranks 1..n-1 gather the logits too; rank 0 into the caller's
+
+  void connect() {
+    comms = make_thread_communicators(int(ranks.size()));
+    for (size_t r = 0; r < ranks.size(); ++r) ranks[r]->comm_ = comms[r].get();
+  }
+};
+
+Forward::Forward(const Model& model, ThreadPool& pool, const Layout& layout)
+    : model_(model), c_(model.config), pool_(pool), rope_(model.config.rope), index_rope_(index_rope_of(model.config)) {
+  check_layout(layout, long(c_.num_experts));
+  if (!layout.split()) return;
+  split_ = std::make_unique<Split>();
+  const int n = layout.ranks();
+  for (int r = 0; r < n; ++r) {
+    split_->shards.push_back(shard_model(model, layout, r));
+    split_->pools.push_back(std::make_unique<ThreadPool>(std::max(1, pool.size() / n)));
+    split_->ranks.push_back(std::unique_ptr<Forward>(new Forward(*split_->shards.back(), *split_->pools.back(), nullptr)));
+  }
+  split_->logits.resize(size_t(n));
+  split_->connect();
+}
+
+Forward::Forward(const Model& shard, ThreadPool& pool, Communicator* comm)
+    : model_(shard), c_(shard.config), pool_(pool), rope_(shard.config.rope), index_rope_(index_rope_of(shard.config)),
+      comm_(comm) {}
+
+Forward::~Forward() = default;
+
+void Forward::set_observer(LinearObserver observe) {
+  if (split_ && observe) fail("calibration observes the unsplit model (run it without --tp/--ep)");
+  observe_ = std::move(observe);
+}
 
 KvCache Forward::make_cache(int64_t capacity) const {
+  if (split_) {
+    std::vector<KvCache> ranks;
+    for (const auto& r : split_->ranks) ranks.push_back(r->make_cache(capacity));
+    return KvCache(std::move(ranks));
+  }
   if (!c_.is_mla()) return KvCache(c_.num_layers, c_.num_kv_heads, c_.head_dim, capacity);
   KvLayout layout{c_.mla.latent(), 0, 0, {}};
   if (c_.indexer.enabled()) {
@@ -56,6 +102,68 @@ void Forward::gqa_attention(const LayerWeights& L, int64_t l, const float* xn, i
 }
 
 void Forward::run(std::span<const int32_t> tokens, KvCache& cache, float* logits) {
+  if (!split_) return run_rank(tokens, cache, logits);
+  const int64_t T = int64_t(tokens.size()), start = cache.length();
+  if (T == 0) return;
+  cache.check_room(T);
+  for (int32_t id : tokens)
+    if (id < 0 || id >= c_.vocab_size) fail("token id ", id, " is outside the vocabulary [0, ", c_.vocab_size, ")");
+  const size_t n = split_->ranks.size();
+  std::vector<std::exception_ptr> errors(n);
+  auto rank = [&](size_t r) {
+    try {
+      float* out = logits;
+      if (r > 0 && logits) {
+        split_->logits[r].resize(size_t(T * c_.vocab_size));
+        out = split_->logits[r].data();
+      }
+      split_->ranks[r]->run_rank(tokens, cache.rank(int(r)), out);
+    } catch (...) {
+      errors[r] = std::current_exception();
+      split_->comms[r]->abort();  // the others fail at their next collective instead of waiting
+    }
+  };
+  std::vector<std::thread> threads;
+  for (size_t r = 1; r < n; ++r) threads.emplace_back(rank, r);
+  rank(0);
+  for (std::thread& t : threads) t.join();
+  // The first failure that is not another rank's abort says what went wrong.
+  std::exception_ptr first;
+  for (size_t r = 0; r < n && !first; ++r) {
+    if (!errors[r]) continue;
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const Error& e) {
+      if (std::strncmp(e.what(), "collective aborted", 18) != 0) first = errors[r];
+    } catch (...) {
+      first = errors[r];
+    }
+  }
+  for (size_t r = 0; r < n && !first; ++r)
+    if (errors[r]) first = errors[r];
+  if (first) {
+    cache.truncate(start);
+    split_->connect();  // an aborted group stays aborted: the next step gets a fresh one
+    std::rethrow_exception(first);
+  }
+  cache.commit(T);
+}
+
+void Forward::gather_logits(const float* local, int64_t T, float* logits) {
+  const int64_t V = c_.vocab_size, n = comm_->size();
+  const VocabShare vs = vocab_share(V, int(n), comm_->rank());
+  std::vector<float> mine(static_cast<size_t>(T * vs.share), 0.0f), all(static_cast<size_t>(n * T * vs.share));
+  for (int64_t t = 0; t < T; ++t)
+    std::copy_n(local + t * (vs.end - vs.begin), vs.end - vs.begin, mine.begin() + t * vs.share);
+  comm_->all_gather(mine.data(), T * vs.share, all.data());
+  for (int64_t r = 0; r < n; ++r) {
+    const VocabShare rs = vocab_share(V, int(n), int(r));
+    for (int64_t t = 0; t < T; ++t)
+      std::copy_n(all.begin() + (r * T + t) * vs.share, rs.end - rs.begin, logits + t * V + rs.begin);
+  }
+}
+
+void Forward::run_rank(std::span<const int32_t> tokens, KvCache& cache, float* logits) {
   const int64_t T = int64_t(tokens.size()), H = c_.hidden_size, start = cache.length();
   if (T == 0) return;
   cache.check_room(T);
@@ -73,17 +181,22 @@ void Forward::run(std::span<const int32_t> tokens, KvCache& cache, float* logits
     rms_norm(x.data(), L.attn_norm.data(), T, H, c_.rms_norm_eps, xn.data());
     if (c_.is_mla()) mla_attention(c_, L, l, xn.data(), T, start, cache, rope_, index_rope_, selection, tmp.data(), pool_, obs);
     else gqa_attention(L, l, xn.data(), T, start, cache, tmp.data());
+    if (comm_) comm_->all_reduce_sum(tmp.data(), T * H);
     for (int64_t i = 0; i < T * H; ++i) x[size_t(i)] += tmp[size_t(i)];
 
     rms_norm(x.data(), L.ffn_norm.data(), T, H, c_.rms_norm_eps, xn.data());
     if (L.is_moe) moe_forward(c_, L.moe, xn.data(), T, tmp.data(), pool_, obs);
     else gated_ffn(L.mlp, xn.data(), T, tmp.data(), pool_, obs);
+    if (comm_) comm_->all_reduce_sum(tmp.data(), T * H);
     for (int64_t i = 0; i < T * H; ++i) x[size_t(i)] += tmp[size_t(i)];
   }
   cache.commit(T);
   if (!logits) return;
   rms_norm(x.data(), w.final_norm.data(), T, H, c_.rms_norm_eps, xn.data());
-  linear(w.lm_head, xn.data(), T, logits, pool_, obs);
+  if (!comm_) return linear(w.lm_head, xn.data(), T, logits, pool_, obs);
+  std::vector<float> local(static_cast<size_t>(T * w.lm_head.out));
+  linear(w.lm_head, xn.data(), T, local.data(), pool_, obs);
+  gather_logits(local.data(), T, logits);
 }
 
 }  // namespace kestrel::cpu

@@ -2,6 +2,7 @@
 // checked against. float32 activations and accumulation; weights dequantized on the fly.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -9,15 +10,20 @@
 #include "backend/cpu/ops.h"
 #include "common/thread_pool.h"
 #include "model/weights.h"
+#include "parallel/communicator.h"
+#include "parallel/layout.h"
 #include "runtime/kv_cache.h"
 
 namespace kestrel::cpu {
 
 class Forward {
  public:
-  Forward(const Model& model, ThreadPool& pool);
+  // A split `layout` runs the model's ranks (parallel/shard.h) on threads of their own that talk
+  // through thread communicators: the CPU twin of a multi-GPU split, with the same collectives.
+  Forward(const Model& model, ThreadPool& pool, const Layout& layout = {});
+  ~Forward();
 
-  // A KV cache sized for this model.
+  // A KV cache sized for this model (one per rank when split).
   KvCache make_cache(int64_t capacity) const;
 
   // Runs `tokens` at the positions after those already in `cache` (all at once: the prefill
@@ -27,9 +33,17 @@ class Forward {
 
   // Shows every later run's linear inputs to `observe` (calibration); an empty function stops it.
   // Costs nothing while unset.
-  void set_observer(LinearObserver observe) { observe_ = std::move(observe); }
+  void set_observer(LinearObserver observe);
 
  private:
+  struct Split;
+  // One rank of a split model: `shard` is its part, `comm` reaches the other ranks.
+  Forward(const Model& shard, ThreadPool& pool, Communicator* comm);
+  // The forward pass of the whole model or of one rank.
+  void run_rank(std::span<const int32_t> tokens, KvCache& cache, float* logits);
+  // The ranks' LM head rows -> every rank's logits [tokens, vocab].
+  void gather_logits(const float* local, int64_t tokens, float* logits);
+
   // GQA attention block of one layer: appends the tokens' keys and values, writes o_proj(attention).
   void gqa_attention(const LayerWeights& L, int64_t layer, const float* xn, int64_t T, int64_t start, KvCache& cache,
                      float* out);
@@ -40,6 +54,8 @@ class Forward {
   RopeTables rope_;
   RopeTables index_rope_;  // the DSA indexer's rotary (its own interleaving)
   LinearObserver observe_;
+  Communicator* comm_ = nullptr;  // a rank of a split model
+  std::unique_ptr<Split> split_;  // a split model: its ranks
 };
 
 }  // namespace kestrel::cpu

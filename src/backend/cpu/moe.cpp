@@ -88,9 +88,11 @@ void moe_forward(const ModelConfig& c, const MoeWeights& w, const float* x, int6
   const Routing r = route(c, logits.data(), tokens, w.correction_bias);
 
   std::fill(out, out + tokens * H, 0.0f);
-  // Experts in index order, each over the tokens that chose it.
+  // Experts in index order, each over the tokens that chose it; an expert-parallel rank holds
+  // experts first_expert .. first_expert + experts.size() - 1.
   std::vector<float> xs, ys;
-  for (int64_t e = 0; e < E; ++e) {
+  const int64_t first = w.first_expert, last = first + int64_t(w.experts.size());
+  for (int64_t e = first; e < last; ++e) {
     std::vector<int64_t> rows;
     std::vector<float> weights;
     for (int64_t t = 0; t < tokens; ++t)
@@ -104,7 +106,7 @@ void moe_forward(const ModelConfig& c, const MoeWeights& w, const float* x, int6
     xs.resize(size_t(n * H));
     ys.resize(size_t(n * H));
     for (int64_t i = 0; i < n; ++i) std::copy(x + rows[size_t(i)] * H, x + (rows[size_t(i)] + 1) * H, xs.begin() + i * H);
-    gated_ffn(w.experts[size_t(e)], xs.data(), n, ys.data(), pool, observe);
+    gated_ffn(w.experts[size_t(e - first)], xs.data(), n, ys.data(), pool, observe);
     for (int64_t i = 0; i < n; ++i) {
       float* o = out + rows[size_t(i)] * H;
       for (int64_t d = 0; d < H; ++d) o[d] += weights[size_t(i)] * ys[size_t(i * H + d)];
