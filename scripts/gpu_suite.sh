@@ -87,6 +87,10 @@ fi
 "$BUILD/src/kestrel" profile --model "$fx" --steps 10 --plot "$OUT/profile_fixture.svg" >>"$OUT/cli.txt" 2>&1 &&
   echo "cli: kestrel profile on $fx: ok" | tee -a "$OUT/cli.txt"
 
+# Collectives over every GPU present (the default of --gpus): one-shot all-reduce against NCCL.
+"$BUILD/src/kestrel" bench-allreduce --sizes 4K,16K,64K,256K,1M --iters 200 --json "$OUT/allreduce.json" >"$OUT/allreduce.txt" 2>&1 ||
+  echo "cli: kestrel bench-allreduce failed: see $OUT/allreduce.txt" | tee -a "$OUT/cli.txt"
+
 bench() {  # name, then kestrel bench arguments
   local name=$1; shift
   echo "== $name: kestrel bench $*" >>"$OUT/bench.txt"
@@ -113,5 +117,6 @@ echo
 echo "== kestrel GPU suite =="
 printf "tests: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests.log" | tr '\n' ' ')"
 grep "^cli:" "$OUT/cli.txt" || true
+[ -f "$OUT/allreduce.json" ] && cat "$OUT/allreduce.txt" || true
 [ -f "$OUT/bench.txt" ] && grep -E "^== |^ *(batch|[0-9])|^  [a-z_]+ +[0-9]|^  total|^extrapolated|^ *[a-z0-9.-]+ +B=" "$OUT/bench.txt" | grep -v "random weights" || true
 exit $tests_rc

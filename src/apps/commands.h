@@ -31,6 +31,7 @@ Run add_serve(CLI::App& app);
 #ifdef KESTREL_HAVE_CUDA
 Run add_bench(CLI::App& app);
 Run add_profile(CLI::App& app);
+Run add_bench_allreduce(CLI::App& app);
 #endif
 
 }  // namespace kestrel::apps

@@ -30,6 +30,8 @@ int main(int argc, char** argv) {
 #ifdef KESTREL_HAVE_CUDA
   add("bench", "Time decode steps on the GPU against the memory-bandwidth floor", kestrel::apps::add_bench);
   add("profile", "Where a decode step's time goes on the GPU: each op against its floor", kestrel::apps::add_profile);
+  add("bench-allreduce", "Latency of the one-shot all-reduce against NCCL's over this machine's GPUs",
+      kestrel::apps::add_bench_allreduce);
 #endif
   if (argc > 1 && argv[1][0] != '-') {
     bool known = false;

@@ -13,3 +13,29 @@
 
 // After a kernel launch.
 #define KESTREL_CUDA_LAUNCHED() KESTREL_CUDA_CHECK(cudaGetLastError())
+
+namespace kestrel::cuda {
+
+// Makes `device` current for a scope and restores the caller's device after: code that serves
+// several GPUs from one thread touches each through one of these.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    KESTREL_CUDA_CHECK(cudaGetDevice(&prev_));
+    if (prev_ != device) {
+      KESTREL_CUDA_CHECK(cudaSetDevice(device));
+      changed_ = true;
+    }
+  }
+  ~DeviceGuard() {
+    if (changed_) cudaSetDevice(prev_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = 0;
+  bool changed_ = false;
+};
+
+}  // namespace kestrel::cuda
