@@ -87,6 +87,21 @@ fi
 "$BUILD/src/kestrel" profile --model "$fx" --steps 10 --plot "$OUT/profile_fixture.svg" >>"$OUT/cli.txt" 2>&1 &&
   echo "cli: kestrel profile on $fx: ok" | tee -a "$OUT/cli.txt"
 
+# A split model through the commands: --tp over every GPU present (one GPU: the split code path
+# with one rank), and expert parallelism with two or more.
+GPUS=$(nvidia-smi -L | wc -l)
+split_vs_cpu() {  # label, then layout flags
+  local label=$1; shift
+  "$BUILD/src/kestrel" logits --model "$fx" --tokens 1,5,9,13,17,21 --device cuda "$@" --out "$OUT/logits_split.bin" 2>>"$OUT/cli.txt"
+  python3 -c "
+import numpy as np, sys
+a, b = (np.fromfile(sys.argv[i], dtype=np.float32) for i in (1, 2))
+print(f'cli: kestrel logits --device cuda $label vs cpu on $fx: rel L2 {np.linalg.norm(a - b) / np.linalg.norm(b):.2e}')
+" "$OUT/logits_split.bin" "$OUT/logits_cpu.bin" | tee -a "$OUT/cli.txt"
+}
+split_vs_cpu "--tp $GPUS" --tp "$GPUS"
+[ "$GPUS" -ge 2 ] && split_vs_cpu "--tp $GPUS --ep $GPUS" --tp "$GPUS" --ep "$GPUS"
+
 # Collectives over every GPU present (the default of --gpus): one-shot all-reduce against NCCL.
 "$BUILD/src/kestrel" bench-allreduce --sizes 4K,16K,64K,256K,1M --iters 200 --json "$OUT/allreduce.json" >"$OUT/allreduce.txt" 2>&1 ||
   echo "cli: kestrel bench-allreduce failed: see $OUT/allreduce.txt" | tee -a "$OUT/cli.txt"
@@ -111,6 +126,14 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   done
   bench glm-5-l5-ctx4k --config configs/glm-5-nvfp4.json --random-weights --layers 5 --batch 1 --context 4096 --steps 30 --ops
   python3 scripts/extrapolate_layers.py "$OUT" glm-5:78 deepseek-v3:61 | tee -a "$OUT/bench.txt"
+fi
+# Split decode over every GPU present, against the roofline of the same layout.
+if [ -z "${SKIP_BENCH:-}" ] && [ "$GPUS" -ge 2 ]; then
+  for m in qwen3-30b-a3b glm-4.5-air; do
+    bench "$m-tp$GPUS" --config "configs/$m-nvfp4.json" --random-weights --batch 1,8 --context 1024 --steps 30 --tp "$GPUS"
+    bench "$m-tp$GPUS-ep$GPUS" --config "configs/$m-nvfp4.json" --random-weights --batch 1,8 --context 1024 --steps 30 \
+      --tp "$GPUS" --ep "$GPUS"
+  done
 fi
 
 echo

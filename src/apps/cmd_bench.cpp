@@ -8,14 +8,19 @@
 #include <vector>
 
 #include "apps/commands.h"
+#include "apps/model_options.h"
 #include "apps/svg_bars.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/decoder.h"
 #include "backend/cuda/device_model.h"
 #include "backend/cuda/op_timer.h"
+#include "backend/cuda/rank_group.h"
 #include "formats/json_file.h"
 #include "model/weights.h"
+#include "parallel/shard.h"
 #include "plan/decode_cost.h"
+#include "plan/gpus.h"
+#include "plan/roofline.h"
 
 namespace kestrel::apps {
 namespace {
@@ -29,6 +34,7 @@ struct Options {
   std::string json, plot;
   bool ops = false;
   int64_t layers = 0;  // 0: all
+  Layout layout;
 };
 
 struct OpRow {
@@ -146,6 +152,7 @@ void add_common(CLI::App& app, Options* o) {
   app.add_option("--steps", o->steps, "Timed decode steps per batch size (bench: 100; profile: 30)");
   app.add_option("--json", o->json, "Also write the results as JSON to this file");
   app.add_option("--plot", o->plot, "With the per-op times: an SVG of each op against its floor (first batch size)");
+  add_layout_options(app, o->layout);
   app.add_option("--layers", o->layers,
                  "With --random-weights: only the first N layers (a slice of a model larger than the GPU)");
 }
@@ -180,6 +187,94 @@ Run add_profile(CLI::App& app) {
 
 namespace {
 
+// A split model: rank r's part on GPU r, each rank timing its own stream (the ranks move in
+// lock step through their collectives); the floor is the roofline of the same layout.
+int run_split_bench(const Options* o, const std::vector<int>& batches) {
+  if (o->ops) fail("--ops with --tp: the per-op view times one GPU; run it unsplit");
+  const Layout& layout = o->layout;
+  std::unique_ptr<Model> host;
+  ModelConfig full;
+  if (!o->model.empty() && !o->random_weights) {
+    host = load_model(o->model, Progress::On);
+    full = host->config;
+  } else {
+    full = o->model.empty() ? parse_model_config_and_quant(read_json_file(o->config), o->config)
+                            : load_model_config(o->model);
+    if (o->layers) full = first_layers(full, o->layers);
+  }
+  cuda::RankGroup group(layout.ranks());
+  std::vector<std::unique_ptr<cuda::DeviceModel>> models(size_t(layout.ranks()));
+  group.run([&](int r) {
+    models[size_t(r)] = host ? cuda::DeviceModel::upload(*shard_model(*host, layout, r))
+                             : cuda::DeviceModel::random(full, 1, layout, r);
+  });
+  const double bw = measure_bandwidth();
+  std::printf("model: %s, %lld layers%s, %s over %d GPUs, %.2f GiB of weights on GPU 0\n", full.architecture.c_str(),
+              (long long)full.num_layers, o->layers ? " (a slice: the first layers of the configuration)" : "",
+              layout.str().c_str(), layout.ranks(), double(models[0]->bytes()) / (1ull << 30));
+  std::printf("measured copy bandwidth: %.0f GB/s on GPU 0 (4 GiB device-to-device, read + write)\n", bw / 1e9);
+  std::printf("%6s %9s %11s %11s %9s %9s %8s %9s %10s\n", "batch", "context", "graph ms", "no-graph ms", "floor ms",
+              "comm ms", "x floor", "tok/s", "launches");
+  const int max_batch = *std::max_element(batches.begin(), batches.end());
+  const int cap = int(o->context) + o->steps * 2 + 8;
+  std::vector<std::unique_ptr<cuda::Decoder>> decs(models.size());
+  group.run([&](int r) {
+    decs[size_t(r)] = std::make_unique<cuda::Decoder>(*models[size_t(r)], max_batch, cap, false, group.link(r));
+  });
+  const StepShapes shapes = step_shapes(full);
+  nlohmann::json results = nlohmann::json::array();
+  for (int B : batches) {
+    std::vector<double> graph_ms(models.size()), plain_ms(models.size());
+    group.run([&](int r) {
+      cuda::Decoder& dec = *decs[size_t(r)];
+      const cudaStream_t s = group.stream(r);
+      std::vector<int32_t> tok(static_cast<size_t>(B)), pos(static_cast<size_t>(B), int32_t(o->context));
+      for (int b = 0; b < B; ++b) tok[size_t(b)] = int32_t((b * 7919) % full.vocab_size);
+      cudaEvent_t e0, e1;
+      KESTREL_CUDA_CHECK(cudaEventCreate(&e0));
+      KESTREL_CUDA_CHECK(cudaEventCreate(&e1));
+      auto time = [&](bool graph) {
+        for (int round = 0; round < 2; ++round) {  // warm-up, then timed
+          KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.tokens(), tok.data(), size_t(B) * 4, cudaMemcpyHostToDevice, s));
+          KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.positions(), pos.data(), size_t(B) * 4, cudaMemcpyHostToDevice, s));
+          const int n = round == 0 ? 3 : o->steps;
+          KESTREL_CUDA_CHECK(cudaEventRecord(e0, s));
+          for (int i = 0; i < n; ++i) graph ? dec.step_graph(B, true, s) : dec.step(B, s);
+          KESTREL_CUDA_CHECK(cudaEventRecord(e1, s));
+          KESTREL_CUDA_CHECK(cudaEventSynchronize(e1));
+        }
+        float ms;
+        cudaEventElapsedTime(&ms, e0, e1);
+        return double(ms) / o->steps;
+      };
+      graph_ms[size_t(r)] = time(true);
+      plain_ms[size_t(r)] = time(false);
+      cudaEventDestroy(e0);
+      cudaEventDestroy(e1);
+    });
+    const double g = *std::max_element(graph_ms.begin(), graph_ms.end());
+    const double ng = *std::max_element(plain_ms.begin(), plain_ms.end());
+    const Roofline rf = roofline(shapes, layout, B, o->context, 4.0, bw / 1e9, find_gpu("h200"));
+    std::printf("%6d %9lld %11.3f %11.3f %9.3f %9.3f %8.2f %9.0f %10d\n", B, (long long)o->context, g, ng, rf.floor_ms,
+                rf.comm_ms, g / rf.floor_ms, B * 1e3 / g, decs[0]->launches_per_step());
+    results.push_back({{"batch", B}, {"context", o->context}, {"tp", layout.tp}, {"ep", layout.ep}, {"graph_ms", g},
+                       {"no_graph_ms", ng}, {"floor_ms", rf.floor_ms}, {"memory_floor_ms", rf.memory_ms},
+                       {"comm_floor_ms", rf.comm_ms}, {"bytes_per_gpu", rf.total_bytes()}, {"bandwidth_gbs", bw / 1e9},
+                       {"launches", decs[0]->launches_per_step()}, {"rank_graph_ms", graph_ms}});
+  }
+  group.run([&](int r) {
+    decs[size_t(r)].reset();
+    models[size_t(r)].reset();
+  });
+  if (!o->json.empty()) {
+    FILE* f = std::fopen(o->json.c_str(), "w");
+    if (!f) fail(o->json, ": cannot open for writing");
+    std::fputs(nlohmann::json({{"steps", results}, {"ops", nlohmann::json::array()}}).dump(2).c_str(), f);
+    std::fclose(f);
+  }
+  return 0;
+}
+
 int run_bench(const Options* o) {
   {
     if (o->model.empty() == o->config.empty()) fail("bench: give either --model DIR or --config FILE --random-weights");
@@ -187,6 +282,7 @@ int run_bench(const Options* o) {
     if (o->steps < 1) fail("bench: --steps must be positive");
     if (o->layers && !o->random_weights) fail("--layers: only with --random-weights");
     const std::vector<int> batches = parse_list(o->batches);
+    if (o->layout.split()) return run_split_bench(o, batches);
     std::unique_ptr<Model> host;
     std::unique_ptr<cuda::DeviceModel> dm;
     if (!o->model.empty() && !o->random_weights) {

@@ -98,54 +98,62 @@ VocabShare vocab_share(int64_t vocab, int ranks, int rank) {
   return v;
 }
 
-std::unique_ptr<Model> shard_model(const Model& full, const Layout& layout, int rank) {
-  const ModelConfig& c = full.config;
+ShardDims shard_dims(const ModelConfig& c, const Layout& layout, int rank) {
   check_layout(layout, long(c.num_experts));
   const int n = layout.tp;
   if (rank < 0 || rank >= n) fail("internal: rank ", rank, " outside 0..", n - 1);
+  ShardDims d;
+  d.config = c;
+  ModelConfig& sc = d.config;
+  // Attention: heads split; KV heads split, or each rank keeps the one its heads read.
+  const int64_t heads = divide(c.num_heads, n, "attention heads", "--tp");
+  d.head0 = heads * rank;
+  sc.num_heads = heads;
+  if (c.is_mla()) {
+    sc.num_kv_heads = heads;
+  } else if (c.num_kv_heads >= n) {
+    sc.num_kv_heads = divide(c.num_kv_heads, n, "KV heads", "--tp");
+    d.kv_head0 = sc.num_kv_heads * rank;
+  } else {
+    if (n % c.num_kv_heads != 0) fail("--tp ", n, ": ", c.num_kv_heads, " KV heads cannot be replicated evenly");
+    sc.num_kv_heads = 1;
+    d.kv_head0 = d.head0 / (c.num_heads / c.num_kv_heads);
+  }
+  if (c.num_moe_layers() < c.num_layers) {
+    sc.intermediate_size = divide(c.intermediate_size, n, "intermediate_size values", "--tp");
+    d.ffn0 = sc.intermediate_size * rank;
+  }
+  d.experts = c.num_experts;
+  if (c.num_moe_layers() > 0) {
+    if (layout.ep > 1) {
+      d.experts = c.num_experts / n;
+      d.first_expert = d.experts * rank;
+    } else {
+      sc.moe_intermediate_size = divide(c.moe_intermediate_size, n, "moe_intermediate_size values", "--tp");
+      d.expert_col0 = sc.moe_intermediate_size * rank;
+    }
+    d.shared_width = divide(c.moe_intermediate_size * c.num_shared_experts, n, "shared expert values", "--tp");
+    d.shared0 = d.shared_width * rank;
+  }
+  d.vocab = vocab_share(c.vocab_size, n, rank);
+  return d;
+}
+
+std::unique_ptr<Model> shard_model(const Model& full, const Layout& layout, int rank) {
+  const ModelConfig& c = full.config;
+  const ShardDims d = shard_dims(c, layout, rank);
   auto m = std::make_unique<Model>();
-  m->config = c;
-  ModelConfig& sc = m->config;
+  m->config = d.config;
   Slicer slice(m->owned);
   const ModelWeights& w = full.weights;
   ModelWeights& o = m->weights;
-
-  // Attention: heads split; KV heads split, or each rank keeps the one its heads read.
-  const int64_t heads = divide(c.num_heads, n, "attention heads", "--tp");
-  const int64_t h0 = heads * rank;
-  int64_t kv0 = 0, kv = c.num_kv_heads;
-  if (!c.is_mla()) {
-    if (c.num_kv_heads >= n) {
-      kv = divide(c.num_kv_heads, n, "KV heads", "--tp");
-      kv0 = kv * rank;
-    } else {
-      if (n % c.num_kv_heads != 0) fail("--tp ", n, ": ", c.num_kv_heads, " KV heads cannot be replicated evenly");
-      kv = 1;
-      kv0 = h0 / (c.num_heads / c.num_kv_heads);
-    }
-  }
-  sc.num_heads = heads;
-  sc.num_kv_heads = c.is_mla() ? heads : kv;
-
-  const bool has_dense = c.num_moe_layers() < c.num_layers;
-  const int64_t inter = has_dense ? divide(c.intermediate_size, n, "intermediate_size values", "--tp") : 0;
-  if (has_dense) sc.intermediate_size = inter;
-  const bool ep = layout.ep > 1;
-  int64_t expert_width = c.moe_intermediate_size, experts_here = c.num_experts, first = 0;
-  if (c.num_moe_layers() > 0) {
-    if (ep) {
-      experts_here = c.num_experts / n;
-      first = experts_here * rank;
-    } else {
-      expert_width = divide(c.moe_intermediate_size, n, "moe_intermediate_size values", "--tp");
-      sc.moe_intermediate_size = expert_width;
-    }
-  }
+  const int64_t heads = d.config.num_heads, h0 = d.head0, kv = d.config.num_kv_heads, kv0 = d.kv_head0;
+  const int64_t inter = d.config.intermediate_size, width = d.config.moe_intermediate_size;
+  const bool ep = layout.ep > 1, first_rank = rank == 0;
 
   o.embed = w.embed;  // replicated: a token's row is read whole on every rank
   o.final_norm = w.final_norm;
-  const VocabShare vs = vocab_share(c.vocab_size, n, rank);
-  o.lm_head = slice.rows(w.lm_head, vs.begin, vs.end);
+  o.lm_head = slice.rows(w.lm_head, d.vocab.begin, d.vocab.end);
 
   const int64_t hd = c.head_dim;
   for (const LayerWeights& L : w.layers) {
@@ -161,30 +169,29 @@ std::unique_ptr<Model> shard_model(const Model& full, const Layout& layout, int 
       if (a.q_lora_rank > 0) R.mla.q_b = slice.rows(L.mla.q_b, h0 * qh, (h0 + heads) * qh);
       else R.mla.q = slice.rows(L.mla.q, h0 * qh, (h0 + heads) * qh);
       R.mla.kv_b = slice.rows(L.mla.kv_b, h0 * kvh, (h0 + heads) * kvh);
-      R.o = slice.cols(L.o, h0 * a.v_head_dim, (h0 + heads) * a.v_head_dim, rank == 0);
+      R.o = slice.cols(L.o, h0 * a.v_head_dim, (h0 + heads) * a.v_head_dim, first_rank);
     } else {
       R.q = slice.rows(L.q, h0 * hd, (h0 + heads) * hd);
       R.k = slice.rows(L.k, kv0 * hd, (kv0 + kv) * hd);
       R.v = slice.rows(L.v, kv0 * hd, (kv0 + kv) * hd);
-      R.o = slice.cols(L.o, h0 * hd, (h0 + heads) * hd, rank == 0);
+      R.o = slice.cols(L.o, h0 * hd, (h0 + heads) * hd, first_rank);
     }
     R.is_moe = L.is_moe;
     if (!L.is_moe) {
-      R.mlp = slice.ffn(L.mlp, inter * rank, inter * (rank + 1), rank == 0);
+      R.mlp = slice.ffn(L.mlp, d.ffn0, d.ffn0 + inter, first_rank);
     } else {
       const MoeWeights& M = L.moe;
       MoeWeights& E = R.moe;
       E.router = M.router;
       E.correction_bias = M.correction_bias;
-      E.first_expert = first;
-      for (int64_t e = first; e < first + experts_here; ++e) {
+      E.first_expert = d.first_expert;
+      for (int64_t e = d.first_expert; e < d.first_expert + d.experts; ++e) {
         const GatedFfn& f = M.experts[size_t(e)];
-        E.experts.push_back(ep ? f : slice.ffn(f, expert_width * rank, expert_width * (rank + 1), rank == 0));
+        E.experts.push_back(ep ? f : slice.ffn(f, d.expert_col0, d.expert_col0 + width, first_rank));
       }
       E.has_shared = M.has_shared;
       if (M.has_shared) {
-        const int64_t sw = divide(M.shared.gate.out, n, "shared expert values", "--tp");
-        E.shared = slice.ffn(M.shared, sw * rank, sw * (rank + 1), rank == 0);
+        E.shared = slice.ffn(M.shared, d.shared0, d.shared0 + d.shared_width, first_rank);
       }
     }
     o.layers.push_back(std::move(R));

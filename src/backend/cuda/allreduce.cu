@@ -408,6 +408,10 @@ void OneShotAllReduce::on_fallback(cudaStream_t s, F&& call) {
   KESTREL_CUDA_CHECK(cudaStreamWaitEvent(s, join_, 0));
 }
 
+void OneShotAllReduce::reserve(int64_t floats) {
+  if (size() > 1 && floats > group_.max_floats()) scratch(floats, stream_);
+}
+
 float* OneShotAllReduce::scratch(int64_t n, cudaStream_t s) {
   if (n <= scratch_floats_) return scratch_;
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;

@@ -87,6 +87,10 @@ class OneShotAllReduce : public Communicator {
   void all_reduce_add_norm(const float* partial, float* x, const float* norm_weight, float eps, float* xn, int rows,
                            int hidden, cudaStream_t s);
 
+  // Makes the fused call ready for messages of up to `floats` without allocating later (a call
+  // above the one-shot size needs scratch, which cannot be allocated while a graph is captured).
+  void reserve(int64_t floats);
+
   int rank() const override { return rank_; }
   int size() const override { return group_.size(); }
   std::string name() const override { return "one-shot"; }

@@ -8,10 +8,22 @@
 #include "backend/cuda/misc.h"
 #include "backend/cuda/mla.h"
 #include "backend/cuda/moe.h"
+#include "backend/cuda/allreduce.h"
+#include "parallel/shard.h"
 #include "plan/decode_cost.h"
 
 namespace kestrel::cuda {
 namespace {
+
+// gathered [ranks, batch, share] -> logits [batch, vocab] (each rank's share padded to `share`).
+__global__ void unshard_logits_kernel(const float* __restrict__ gathered, int ranks, int batch, int share, int vocab,
+                                      float* __restrict__ logits) {
+  const int b = blockIdx.y;
+  for (int v = blockIdx.x * blockDim.x + threadIdx.x; v < vocab; v += gridDim.x * blockDim.x) {
+    const int r = v / share, i = v - r * share;
+    logits[size_t(b) * vocab + v] = gathered[(size_t(r) * batch + b) * share + i];
+  }
+}
 
 __global__ void advance_kernel(int32_t* tokens, const int32_t* next, int32_t* positions, int batch) {
   const int b = threadIdx.x;
@@ -32,8 +44,8 @@ T* Decoder::buffer(size_t n) {
   return static_cast<T*>(p);
 }
 
-Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool one_sequence)
-    : m_(model), max_batch_(max_batch), max_context_(max_context), one_sequence_(one_sequence) {
+Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool one_sequence, const RankLink* link)
+    : m_(model), max_batch_(max_batch), max_context_(max_context), one_sequence_(one_sequence), link_(link) {
   const ModelConfig& c = m_.config();
   const size_t B = size_t(max_batch), H = size_t(c.hidden_size), hd = size_t(c.head_dim);
   const size_t nq = size_t(c.num_heads), nkv = size_t(c.num_kv_heads);
@@ -74,6 +86,18 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
   }
   act_ = buffer<float>(B * size_t(std::max<int64_t>(c.intermediate_size, 1)));
   logits_ = buffer<float>(B * size_t(c.vocab_size));
+  if (link_) {
+    if (!link_->comm || !link_->reduce) fail("internal: a split decoder needs a communicator and an all-reduce");
+    const VocabShare vs = vocab_share(c.vocab_size, link_->comm->size(), link_->comm->rank());
+    if (m_.lm_head().out != vs.end - vs.begin)
+      fail("internal: rank ", link_->comm->rank(), "'s LM head has ", m_.lm_head().out, " rows, its share is ",
+           vs.end - vs.begin);
+    part_ = buffer<float>(B * H);
+    link_->reduce->reserve(int64_t(B * H));
+    shard_logits_ = buffer<float>(B * size_t(vs.share));
+    gathered_ = buffer<float>(size_t(link_->comm->size()) * B * size_t(vs.share));
+    KESTREL_CUDA_CHECK(cudaMemset(shard_logits_, 0, B * size_t(vs.share) * 4));  // the padding past the vocabulary
+  }
   tokens_ = buffer<int32_t>(B);
   positions_ = buffer<int32_t>(B);
   next_ = buffer<int32_t>(B);
@@ -118,7 +142,7 @@ KvLayer Decoder::index_kv(int layer) const {
 }
 
 template <typename Op>
-void Decoder::mla_attention(const DLayer& L, int layer, int batch, cudaStream_t s, Op& op) {
+void Decoder::mla_attention(const DLayer& L, int layer, int batch, float* out, bool accumulate, cudaStream_t s, Op& op) {
   const ModelConfig& c = m_.config();
   const MlaConfig& mc = c.mla;
   const DMla& a = L.mla;
@@ -182,9 +206,25 @@ void Decoder::mla_attention(const DLayer& L, int layer, int batch, cudaStream_t 
   op("attention", 2, 0.0);  // KV bytes depend on the positions: the caller adds them
   launch_mla_output(mla_.att, batch, m, a.kv_b, mla_.v, s);
   op("mla_absorb_v", 1, double(a.kv_b.bytes()) * m.v / (m.nope + m.v));
-  const LinearJob o[1] = {{L.o, x_}};
-  launch_linear(o, 1, mla_.v, batch, true, s);
+  const LinearJob o[1] = {{L.o, out}};
+  launch_linear(o, 1, mla_.v, batch, accumulate, s);
   op("o_proj", 1, double(L.o.bytes()));
+}
+
+void Decoder::reduce_add_norm(int batch, const float* norm, cudaStream_t s) {
+  const ModelConfig& c = m_.config();
+  link_->reduce->all_reduce_add_norm(part_, x_, norm, c.rms_norm_eps, xn_, batch, int(c.hidden_size), s);
+}
+
+void Decoder::gather_logits(int batch, cudaStream_t s) {
+  const ModelConfig& c = m_.config();
+  const int ranks = link_->comm->size();
+  const int share = int(vocab_share(c.vocab_size, ranks, 0).share);
+  link_->comm->all_gather(shard_logits_, int64_t(batch) * share, gathered_);
+  const int threads = 256, blocks = std::min(1024, int((c.vocab_size + threads - 1) / threads));
+  unshard_logits_kernel<<<dim3(unsigned(blocks), unsigned(batch)), threads, 0, s>>>(gathered_, ranks, batch, share,
+                                                                                   int(c.vocab_size), logits_);
+  KESTREL_CUDA_LAUNCHED();
 }
 
 void Decoder::step(int batch, cudaStream_t s, OpTimer* timer) {
@@ -208,14 +248,25 @@ void Decoder::step(int batch, cudaStream_t s, OpTimer* timer) {
   launch_embed(m_.embed(), tokens_, batch, x_, s);
   op("embed", 1, double(m_.embed().bytes()) / double(c.vocab_size) * batch + act * H);
   const double expected_experts = expected_distinct_experts(c, batch);
-  for (size_t l = 0; l < m_.layers().size(); ++l) {
-    const DLayer& L = m_.layers()[l];
-    launch_rms_norm(x_, L.attn_norm, batch, H, eps, xn_, s);
-    op("rms_norm", 1, 2 * act * H);
+  // Split: each sublayer writes its partial output to part_; the all-reduce adds the ranks' sum
+  // to x and applies the next RMSNorm (the first layer's attention norm runs on its own).
+  const bool split = link_ != nullptr;
+  float* const out = split ? part_ : x_;
+  const int nL = int(m_.layers().size());
+  auto reduce = [&](const float* next_norm) {
+    reduce_add_norm(batch, next_norm, s);
+    op("all_reduce", 1, 2 * act * H);
+  };
+  for (int l = 0; l < nL; ++l) {
+    const DLayer& L = m_.layers()[size_t(l)];
+    if (!split || l == 0) {
+      launch_rms_norm(x_, L.attn_norm, batch, H, eps, xn_, s);
+      op("rms_norm", 1, 2 * act * H);
+    }
     if (c.is_mla()) {
-      mla_attention(L, int(l), batch, s, op);
+      mla_attention(L, l, batch, out, !split, s, op);
     } else {
-      const KvLayer kvl = kv(int(l));
+      const KvLayer kvl = kv(l);
       const LinearJob qkv[3] = {{L.q, q_}, {L.k, k_}, {L.v, v_}};
       launch_linear(qkv, 3, xn_, batch, false, s);
       op("qkv_proj", 1, double(L.q.bytes() + L.k.bytes() + L.v.bytes()));
@@ -223,17 +274,23 @@ void Decoder::step(int batch, cudaStream_t s, OpTimer* timer) {
       op("qk_norm_rope", 1, act * (nq + 2 * nkv) * hd);
       launch_decode_attention(q_, batch, nq, nkv, hd, scale, positions_, kvl, split_, att_scratch_, att_, s);
       op("attention", 2, 0.0);  // KV bytes depend on the positions: the caller adds them
-      const LinearJob o[1] = {{L.o, x_}};
-      launch_linear(o, 1, att_, batch, true, s);
+      const LinearJob o[1] = {{L.o, out}};
+      launch_linear(o, 1, att_, batch, !split, s);
       op("o_proj", 1, double(L.o.bytes()));
     }
-    launch_rms_norm(x_, L.ffn_norm, batch, H, eps, xn_, s);
-    op("rms_norm", 1, 2 * act * H);
+    if (split) {
+      reduce(L.ffn_norm);
+    } else {
+      launch_rms_norm(x_, L.ffn_norm, batch, H, eps, xn_, s);
+      op("rms_norm", 1, 2 * act * H);
+    }
     if (L.is_moe) {
       launch_route(L.moe.router, xn_, batch, moe_.logits, moe_.experts, moe_.weights, s);
       op("router", 2, double(L.moe.router.w.bytes()));
-      launch_moe_experts(L.moe, xn_, batch, x_, moe_, s);
-      const double eb = double(m_.expert_bytes(l)) * expected_experts;
+      if (split) KESTREL_CUDA_CHECK(cudaMemsetAsync(part_, 0, size_t(batch) * H * 4, s));  // the experts add to it
+      launch_moe_experts(L.moe, xn_, batch, out, moe_, s);
+      // An expert-parallel rank holds local_experts of the num_experts; uniform routing touches its share.
+      const double eb = double(m_.expert_bytes(size_t(l))) * expected_experts * L.moe.local_experts / double(c.num_experts);
       const double shared = L.moe.has_shared
                                 ? double(L.moe.shared_gate.bytes() + L.moe.shared_up.bytes() + L.moe.shared_down.bytes())
                                 : 0.0;
@@ -241,16 +298,23 @@ void Decoder::step(int batch, cudaStream_t s, OpTimer* timer) {
     } else {
       launch_gated(L.gate, L.up, xn_, batch, act_, s);
       op("mlp_gate_up", 1, double(L.gate.bytes() + L.up.bytes()));
-      const LinearJob d[1] = {{L.down, x_}};
-      launch_linear(d, 1, act_, batch, true, s);
+      const LinearJob d[1] = {{L.down, out}};
+      launch_linear(d, 1, act_, batch, !split, s);
       op("mlp_down", 1, double(L.down.bytes()));
     }
+    if (split) reduce(l + 1 < nL ? m_.layers()[size_t(l + 1)].attn_norm : m_.final_norm());
   }
-  launch_rms_norm(x_, m_.final_norm(), batch, H, eps, xn_, s);
-  op("rms_norm", 1, 2 * act * H);
-  const LinearJob head[1] = {{m_.lm_head(), logits_}};
+  if (!split) {
+    launch_rms_norm(x_, m_.final_norm(), batch, H, eps, xn_, s);
+    op("rms_norm", 1, 2 * act * H);
+  }
+  const LinearJob head[1] = {{m_.lm_head(), split ? shard_logits_ : logits_}};
   launch_linear(head, 1, xn_, batch, false, s);
   op("lm_head", 1, double(m_.lm_head().bytes()));
+  if (split) {
+    gather_logits(batch, s);
+    op("gather_logits", 2, 2 * act * double(c.vocab_size));
+  }
   launch_argmax(logits_, batch, int(c.vocab_size), next_, argmax_, s);
   op("argmax", 1, act * double(c.vocab_size));
   launches_ = n;

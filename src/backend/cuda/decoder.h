@@ -13,8 +13,17 @@
 #include "backend/cuda/misc.h"
 #include "backend/cuda/norm_rope.h"
 #include "backend/cuda/op_timer.h"
+#include "parallel/communicator.h"
 
 namespace kestrel::cuda {
+
+class OneShotAllReduce;
+
+// What the decoder of one rank of a split model needs from the other ranks (rank_group.h).
+struct RankLink {
+  Communicator* comm = nullptr;        // all-gather of the LM head's vocabulary shares
+  OneShotAllReduce* reduce = nullptr;  // x += the ranks' partial outputs, then the next RMSNorm
+};
 
 class Decoder {
  public:
@@ -22,7 +31,10 @@ class Decoder {
   // one KV cache (prefill: a step over positions p .. p + n - 1 is causal attention over the
   // chunk, since every row's key and value are stored before attention reads them); otherwise
   // each row is its own sequence with its own cache.
-  Decoder(const DeviceModel& model, int max_batch, int max_context, bool one_sequence = false);
+  // With `link`, the model is one rank's part (parallel/shard.h): the attention and FFN outputs
+  // are partial sums reduced across the ranks, and the logits gathered from their shares.
+  Decoder(const DeviceModel& model, int max_batch, int max_context, bool one_sequence = false,
+          const RankLink* link = nullptr);
   ~Decoder();
   Decoder(const Decoder&) = delete;
   Decoder& operator=(const Decoder&) = delete;
@@ -50,8 +62,13 @@ class Decoder {
  private:
   void advance(int batch, cudaStream_t s);
   // The attention block of an MLA layer (absorbed, see mla.h); `op` marks each op as in step().
+  // `out` receives o_proj's output, added to it when `accumulate`.
   template <typename Op>
-  void mla_attention(const DLayer& L, int layer, int batch, cudaStream_t s, Op& op);
+  void mla_attention(const DLayer& L, int layer, int batch, float* out, bool accumulate, cudaStream_t s, Op& op);
+  // Split: x += sum over ranks of part_, then xn = RMSNorm(x) with `norm`.
+  void reduce_add_norm(int batch, const float* norm, cudaStream_t s);
+  // Split: the vocabulary shares of the logits from every rank into logits_ [batch, vocab].
+  void gather_logits(int batch, cudaStream_t s);
   KvLayer index_kv(int layer) const;
   template <typename T>
   T* buffer(size_t n);
@@ -59,7 +76,9 @@ class Decoder {
   const DeviceModel& m_;
   int max_batch_, max_context_, launches_ = 0;
   bool one_sequence_;
+  const RankLink* link_;
   std::vector<void*> buffers_;
+  float *part_ = nullptr, *shard_logits_ = nullptr, *gathered_ = nullptr;  // split only
   float *x_ = nullptr, *xn_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *att_ = nullptr, *act_ = nullptr;
   float *logits_ = nullptr, *kv_k_ = nullptr, *kv_v_ = nullptr, *att_scratch_ = nullptr;  // MLA: kv_v_ == kv_k_
   AttentionSplit split_;

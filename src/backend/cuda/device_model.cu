@@ -3,6 +3,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/device_model.h"
+#include "parallel/shard.h"
 #include "common/numeric.h"
 
 namespace kestrel::cuda {
@@ -200,6 +201,8 @@ std::unique_ptr<DeviceModel> DeviceModel::upload(const Model& m) {
       moe.down = d->put_array(dn);
       d->expert_bytes_.push_back(g[0].bytes() + u[0].bytes() + dn[0].bytes());
       moe.width = int(c.moe_intermediate_size);
+      moe.first_expert = int(L.moe.first_expert);
+      moe.local_experts = int(L.moe.experts.size());
       moe.has_shared = L.moe.has_shared;
       if (L.moe.has_shared) {
         moe.shared_gate = d->put(L.moe.shared.gate);
@@ -213,13 +216,16 @@ std::unique_ptr<DeviceModel> DeviceModel::upload(const Model& m) {
   return d;
 }
 
-std::unique_ptr<DeviceModel> DeviceModel::random(const ModelConfig& c, uint64_t seed) {
+std::unique_ptr<DeviceModel> DeviceModel::random(const ModelConfig& full, uint64_t seed, const Layout& layout, int rank) {
+  const ShardDims sd = shard_dims(full, layout, rank);
+  const ModelConfig& c = sd.config;
   std::unique_ptr<DeviceModel> d(new DeviceModel(c));
   const int H = int(c.hidden_size), hd = int(c.head_dim);
   uint64_t s = seed;
   auto lin = [&](const std::string& name, int out, int in) { return d->make_random(out, in, c.quant.quantizes(name), ++s); };
   d->embed_ = d->make_random(int(c.vocab_size), H, false, ++s);
-  d->lm_head_ = c.tie_word_embeddings ? d->embed_ : d->make_random(int(c.vocab_size), H, false, ++s);
+  const int vocab_rows = int(sd.vocab.end - sd.vocab.begin);
+  d->lm_head_ = c.tie_word_embeddings && !layout.split() ? d->embed_ : d->make_random(vocab_rows, H, false, ++s);
   const std::vector<float> ones(size_t(std::max<int64_t>(H, hd)), 1.0f);
   d->final_norm_ = d->floats(std::vector<float>(size_t(H), 1.0f));
   d->inv_freq_ = d->floats(c.rope.inv_freq());
@@ -275,12 +281,13 @@ std::unique_ptr<DeviceModel> DeviceModel::random(const ModelConfig& c, uint64_t 
     } else {
       DMoe& moe = l.moe;
       const int E = int(c.num_experts), I = int(c.moe_intermediate_size);
+      const int first = int(sd.first_expert), local = int(sd.experts);
       const float* bias =
           c.router == RouterKind::SigmoidBias ? d->floats(std::vector<float>(size_t(E), 0.0f)) : nullptr;
       moe.router = make_router(c, d->make_random(E, H, false, ++s), bias);
       std::vector<DLinear> g, u, dn;
       const std::string ep = p + c.moe_prefix + ".experts.";
-      for (int e = 0; e < E; ++e) {
+      for (int e = first; e < first + local; ++e) {
         g.push_back(lin(ep + std::to_string(e) + "." + c.expert_gate, I, H));
         u.push_back(lin(ep + std::to_string(e) + "." + c.expert_up, I, H));
         dn.push_back(lin(ep + std::to_string(e) + "." + c.expert_down, H, I));
@@ -291,9 +298,11 @@ std::unique_ptr<DeviceModel> DeviceModel::random(const ModelConfig& c, uint64_t 
       moe.down = d->put_array(dn);
       d->expert_bytes_.push_back(g[0].bytes() + u[0].bytes() + dn[0].bytes());
       moe.width = I;
+      moe.first_expert = first;
+      moe.local_experts = local;
       moe.has_shared = c.num_shared_experts > 0;
       if (moe.has_shared) {
-        const int S = I * int(c.num_shared_experts);
+        const int S = int(sd.shared_width);
         moe.shared_gate = lin(p + "mlp.shared_experts.gate_proj", S, H);
         moe.shared_up = lin(p + "mlp.shared_experts.up_proj", S, H);
         moe.shared_down = lin(p + "mlp.shared_experts.down_proj", H, S);

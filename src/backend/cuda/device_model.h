@@ -10,6 +10,7 @@
 #include "backend/cuda/moe.h"
 #include "model/model_config.h"
 #include "model/weights.h"
+#include "parallel/layout.h"
 
 namespace kestrel::cuda {
 
@@ -39,7 +40,9 @@ struct DLayer {
 class DeviceModel {
  public:
   static std::unique_ptr<DeviceModel> upload(const Model& m);
-  static std::unique_ptr<DeviceModel> random(const ModelConfig& c, uint64_t seed = 1);
+  // Random weights of the shapes of `c`, or of one rank's part of them when split by `layout`.
+  static std::unique_ptr<DeviceModel> random(const ModelConfig& c, uint64_t seed = 1, const Layout& layout = {},
+                                             int rank = 0);
   ~DeviceModel();
   DeviceModel(const DeviceModel&) = delete;
   DeviceModel& operator=(const DeviceModel&) = delete;

@@ -112,8 +112,10 @@ __global__ void __launch_bounds__(kWarps * 32, 3) gate_up_kernel(DMoe m, int bat
   const int s = blockIdx.y, K = m.router.top_k;
   const bool shared = s >= batch * K;
   const int b = shared ? s - batch * K : s / K;
-  const DLinear g = shared ? m.shared_gate : m.gate[experts[s]];
-  const DLinear u = shared ? m.shared_up : m.up[experts[s]];
+  const int e = shared ? 0 : experts[s] - m.first_expert;
+  if (!shared && (e < 0 || e >= m.local_experts)) return;  // another rank's expert (expert parallelism)
+  const DLinear g = shared ? m.shared_gate : m.gate[e];
+  const DLinear u = shared ? m.shared_up : m.up[e];
   const int ks = warps_per_row(g);
   const int row0 = (blockIdx.x * (kWarps / ks) + warp / ks) * R;
   if (blockIdx.x * (kWarps / ks) * R >= g.out) return;  // the whole block is past this slot's rows
@@ -151,8 +153,9 @@ __global__ void __launch_bounds__(kWarps * 32, 3) down_kernel(DMoe m, int batch,
     #pragma unroll
     for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
     if (j < K) {
-      const int s = b * K + j;
-      rows_dot_partial<R, 1>(m.down[experts[s]], row0, act + size_t(s) * act_stride, 0, lane, acc);
+      const int s = b * K + j, e = experts[s] - m.first_expert;
+      if (e < 0 || e >= m.local_experts) continue;  // another rank's expert
+      rows_dot_partial<R, 1>(m.down[e], row0, act + size_t(s) * act_stride, 0, lane, acc);
       #pragma unroll
       for (int r = 0; r < R; ++r) total[r][0] = fmaf(weights[s], acc[r][0], total[r][0]);
     } else {

@@ -24,11 +24,13 @@ DRouter make_router(const ModelConfig& c, const DLinear& w, const float* bias);
 
 struct DMoe {
   DRouter router;
-  const DLinear* gate = nullptr;  // device arrays [experts]
+  const DLinear* gate = nullptr;  // device arrays [local_experts]: experts first_expert ..
   const DLinear* up = nullptr;
   const DLinear* down = nullptr;
   DLinear expert_gate;            // expert 0's gate as the host sees it: shape and format of all experts' gates
   int width = 0;                  // expert intermediate size
+  int first_expert = 0;           // an expert-parallel rank holds experts first_expert ..
+  int local_experts = 0;          // .. first_expert + local_experts - 1; slots of others are skipped
   int has_shared = 0;
   DLinear shared_gate, shared_up, shared_down;
 };

@@ -1,42 +1,71 @@
 #include <algorithm>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/rank_group.h"
 #include "backend/cuda/session.h"
 
 namespace kestrel::cuda {
 
-Session::Session(const DeviceModel& model, int max_context)
-    : dec_(model, kChunk, max_context, true), vocab_(model.config().vocab_size) {
-  KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+Session::Session(const DeviceModel& model, int max_context) : vocab_(model.config().vocab_size) {
+  decs_.push_back(std::make_unique<Decoder>(model, kChunk, max_context, true));
+  KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
+  streams_.push_back(own_stream_);
+}
+
+Session::Session(RankGroup& group, const std::vector<const DeviceModel*>& ranks, int max_context)
+    : group_(&group), vocab_(ranks.at(0)->config().vocab_size) {
+  if (int(ranks.size()) != group.size()) fail("internal: ", ranks.size(), " rank models for ", group.size(), " GPUs");
+  decs_.resize(ranks.size());
+  for (int r = 0; r < group.size(); ++r) streams_.push_back(group.stream(r));
+  group.run([&](int r) {
+    decs_[size_t(r)] = std::make_unique<Decoder>(*ranks[size_t(r)], kChunk, max_context, true, group.link(r));
+  });
 }
 
 Session::~Session() {
-  if (stream_) cudaStreamDestroy(stream_);
+  if (group_) {
+    try {
+      group_->run([&](int r) { decs_[size_t(r)].reset(); });  // each on its own GPU
+    } catch (const std::exception&) {
+      decs_.clear();  // a failed group: freed from here
+    }
+  }
+  if (own_stream_) cudaStreamDestroy(own_stream_);
 }
 
 void Session::run(std::span<const int32_t> tokens, float* logits, bool all) {
-  if (pos_ + int64_t(tokens.size()) > dec_.max_context())
+  if (pos_ + int64_t(tokens.size()) > decs_[0]->max_context())
     fail("the sequence would hold ", pos_ + int64_t(tokens.size()), " tokens, more than its context of ",
-         dec_.max_context());
+         decs_[0]->max_context());
+  if (group_) group_->run([&](int r) { run_rank(r, tokens, logits, all); });
+  else run_rank(0, tokens, logits, all);
+  pos_ += int(tokens.size());
+}
+
+void Session::run_rank(int rank, std::span<const int32_t> tokens, float* logits, bool all) {
+  Decoder& dec = *decs_[size_t(rank)];
+  const cudaStream_t stream = streams_[size_t(rank)];
+  if (rank > 0) logits = nullptr;
+  int pos = pos_;
   for (size_t i = 0; i < tokens.size(); i += kChunk) {
     const int n = int(std::min<size_t>(kChunk, tokens.size() - i));
-    int32_t pos[kChunk];
-    for (int b = 0; b < n; ++b) pos[b] = pos_ + b;
+    int32_t p[kChunk];
+    for (int b = 0; b < n; ++b) p[b] = pos + b;
     // Pageable sources: the copies complete (staged) before these calls return.
-    KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec_.tokens(), tokens.data() + i, size_t(n) * 4, cudaMemcpyHostToDevice, stream_));
-    KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec_.positions(), pos, size_t(n) * 4, cudaMemcpyHostToDevice, stream_));
-    dec_.step_graph(n, false, stream_);
-    pos_ += n;
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.tokens(), tokens.data() + i, size_t(n) * 4, cudaMemcpyHostToDevice, stream));
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.positions(), p, size_t(n) * 4, cudaMemcpyHostToDevice, stream));
+    dec.step_graph(n, false, stream);
+    pos += n;
     if (!logits) continue;
     if (all) {
-      KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits + int64_t(i) * vocab_, dec_.logits(), size_t(n) * size_t(vocab_) * 4,
-                                         cudaMemcpyDeviceToHost, stream_));
+      KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits + int64_t(i) * vocab_, dec.logits(), size_t(n) * size_t(vocab_) * 4,
+                                         cudaMemcpyDeviceToHost, stream));
     } else if (i + size_t(n) == tokens.size()) {
-      KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits, dec_.logits() + int64_t(n - 1) * vocab_, size_t(vocab_) * 4,
-                                         cudaMemcpyDeviceToHost, stream_));
+      KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits, dec.logits() + int64_t(n - 1) * vocab_, size_t(vocab_) * 4,
+                                         cudaMemcpyDeviceToHost, stream));
     }
   }
-  KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
 }  // namespace kestrel::cuda

@@ -1,20 +1,27 @@
 // One sequence on the GPU: tokens go in after those already run, up to 8 consecutive tokens per
 // step (one graph replay of a decoder whose batch rows share the sequence's KV cache: a prompt
 // is prefilled 8 positions at a time, a generated token is one step), and the logits of a token
-// come back to the host on request.
+// come back to the host on request. A split model runs the same steps on every rank of its
+// RankGroup at once, each rank's graph holding its collectives.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
 #include <span>
+#include <vector>
 
 #include "backend/cuda/decoder.h"
 
 namespace kestrel::cuda {
 
+class RankGroup;
+
 class Session {
  public:
   Session(const DeviceModel& model, int max_context);
+  // Rank r's part of the model is ranks[r], on the group's GPU r.
+  Session(RankGroup& group, const std::vector<const DeviceModel*>& ranks, int max_context);
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
@@ -28,8 +35,13 @@ class Session {
 
  private:
   static constexpr int kChunk = 8;  // positions per step
-  Decoder dec_;
-  cudaStream_t stream_ = nullptr;
+  // The steps of `tokens` on one rank's decoder; rank 0 copies the logits out.
+  void run_rank(int rank, std::span<const int32_t> tokens, float* logits, bool all);
+
+  RankGroup* group_ = nullptr;
+  std::vector<std::unique_ptr<Decoder>> decs_;
+  std::vector<cudaStream_t> streams_;
+  cudaStream_t own_stream_ = nullptr;
   int pos_ = 0;
   int64_t vocab_;
 };
