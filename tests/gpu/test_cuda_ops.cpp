@@ -276,20 +276,34 @@ TEST(CudaOps, MoeMatchesCpu) {
     dm.gate = bg.get(), dm.up = bu.get(), dm.down = bd.get();
     dm.width = I;
     dm.expert_gate = dg[0];
-    for (int B : {1, 3, 8}) {
-      const auto x = test::random_floats(size_t(B) * H, rng);
-      const auto resid = test::random_floats(size_t(B) * H, rng);
-      std::vector<float> out(size_t(B) * H);
-      ThreadPool pool(1);
-      cpu::moe_forward(c, mw, x.data(), B, out.data(), pool);
-      for (size_t i = 0; i < out.size(); ++i) out[i] += resid[i];
-      DeviceBuffer<float> dx(x), dr(resid);
-      DeviceBuffer<int32_t> se(size_t(B) * K);
-      DeviceBuffer<float> sw(size_t(B) * K), sa(size_t(B) * (K + 1) * I), sl(size_t(B) * E);
-      sa.poison();
-      cuda::MoeScratch s{se.get(), sw.get(), sa.get(), I, sl.get()};
-      cuda::launch_moe(dm, dx.get(), B, dr.get(), s, nullptr);
-      EXPECT_LE(test::rel_err(dr.download(), out), 1e-5) << (shared ? "shared, " : "") << "batch " << B;
+    dm.local_experts = E;
+    // Expert parallelism: a rank holding experts E/2 .. E-1 (and no shared expert) adds only theirs.
+    cuda::DMoe half = dm;
+    half.first_expert = E / 2;
+    half.local_experts = E / 2;
+    half.gate = bg.get() + E / 2, half.up = bu.get() + E / 2, half.down = bd.get() + E / 2;
+    half.has_shared = 0;
+    MoeWeights mw_half = mw;
+    mw_half.experts.erase(mw_half.experts.begin(), mw_half.experts.begin() + E / 2);
+    mw_half.first_expert = E / 2;
+    mw_half.has_shared = false;
+    for (bool ep : {false, true}) {
+      for (int B : {1, 3, 8}) {
+        const auto x = test::random_floats(size_t(B) * H, rng);
+        const auto resid = test::random_floats(size_t(B) * H, rng);
+        std::vector<float> out(size_t(B) * H);
+        ThreadPool pool(1);
+        cpu::moe_forward(c, ep ? mw_half : mw, x.data(), B, out.data(), pool);
+        for (size_t i = 0; i < out.size(); ++i) out[i] += resid[i];
+        DeviceBuffer<float> dx(x), dr(resid);
+        DeviceBuffer<int32_t> se(size_t(B) * K);
+        DeviceBuffer<float> sw(size_t(B) * K), sa(size_t(B) * (K + 1) * I), sl(size_t(B) * E);
+        sa.poison();
+        cuda::MoeScratch s{se.get(), sw.get(), sa.get(), I, sl.get()};
+        cuda::launch_moe(ep ? half : dm, dx.get(), B, dr.get(), s, nullptr);
+        EXPECT_LE(test::rel_err(dr.download(), out), 1e-5)
+            << (shared ? "shared, " : "") << (ep ? "experts 8..15, " : "") << "batch " << B;
+      }
     }
   }
 }

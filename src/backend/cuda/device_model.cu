@@ -145,7 +145,8 @@ std::unique_ptr<DeviceModel> DeviceModel::upload(const Model& m) {
   const ModelConfig& c = m.config;
   const ModelWeights& w = m.weights;
   d->embed_ = d->put(w.embed);
-  d->lm_head_ = w.lm_head.data == w.embed.data ? d->embed_ : d->put(w.lm_head);
+  const bool tied = w.lm_head.data == w.embed.data && w.lm_head.out == w.embed.out;  // not when split by vocabulary
+  d->lm_head_ = tied ? d->embed_ : d->put(w.lm_head);
   d->final_norm_ = d->floats(w.final_norm);
   d->inv_freq_ = d->floats(c.rope.inv_freq());
   for (const LayerWeights& L : w.layers) {

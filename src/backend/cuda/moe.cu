@@ -212,6 +212,8 @@ void launch_moe(const DMoe& m, const float* x, int batch, float* residual, const
 void launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s,
                         cudaStream_t stream) {
   if (m.expert_gate.out != m.width) fail("internal: DMoe.expert_gate does not describe the experts");
+  if (m.local_experts < 1 || m.first_expert < 0 || m.first_expert + m.local_experts > m.router.experts)
+    fail("internal: DMoe holds experts ", m.first_expert, " + ", m.local_experts, " of ", m.router.experts);
   const int slots = batch * m.router.top_k + (m.has_shared ? batch : 0);
   // Blocks cover the rows of the widest slot: a block holds (kWarps / ks) * kGateUpRows rows,
   // ks = warps_per_row, which is the same for every routed expert but may differ for the shared one.
