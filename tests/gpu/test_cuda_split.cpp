@@ -13,6 +13,7 @@
 #include "backend/cuda/device_model.h"
 #include "backend/cuda/rank_group.h"
 #include "backend/cuda/session.h"
+#include "formats/json_file.h"
 #include "parallel/shard.h"
 
 namespace kestrel {
@@ -72,6 +73,72 @@ INSTANTIATE_TEST_SUITE_P(Families, CudaSplitTest, ::testing::ValuesIn(test::fixt
     if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
   return n;
 });
+
+// Random weights of Qwen3-30B-A3B's full shapes: each rank generates its block of the same
+// matrices (a function of the element's place in the whole matrix), so a split model must give
+// the unsplit model's logits, step after step of greedy decoding, and the same tokens.
+TEST(CudaSplitRandom, Qwen3MoeFullShapesGiveTheUnsplitLogitsAndTokens) {
+  const std::string path = std::string(KESTREL_FIXTURES) + "/../../configs/qwen3-30b-a3b-nvfp4.json";
+  const ModelConfig c = parse_model_config_and_quant(read_json_file(path), path);
+  const int B = 2, steps = 12, ctx = 64;
+  const int64_t V = c.vocab_size;
+  const std::vector<int32_t> start_tokens = {17, 9001}, start_pos = {0, 0};
+  std::vector<std::vector<float>> want(steps);
+  std::vector<std::vector<int32_t>> want_tokens(steps);
+  {
+    auto dm = cuda::DeviceModel::random(c);
+    cuda::Decoder dec(*dm, B, ctx);
+    cudaStream_t s;
+    KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    KESTREL_CUDA_CHECK(cudaMemcpy(dec.tokens(), start_tokens.data(), B * 4, cudaMemcpyHostToDevice));
+    KESTREL_CUDA_CHECK(cudaMemcpy(dec.positions(), start_pos.data(), B * 4, cudaMemcpyHostToDevice));
+    for (int i = 0; i < steps; ++i) {
+      dec.step_graph(B, true, s);
+      KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
+      want[size_t(i)].resize(size_t(B * V));
+      want_tokens[size_t(i)].resize(B);
+      KESTREL_CUDA_CHECK(cudaMemcpy(want[size_t(i)].data(), dec.logits(), size_t(B * V) * 4, cudaMemcpyDeviceToHost));
+      KESTREL_CUDA_CHECK(cudaMemcpy(want_tokens[size_t(i)].data(), dec.tokens(), B * 4, cudaMemcpyDeviceToHost));
+    }
+    cudaStreamDestroy(s);
+  }
+  const int n = std::min(gpus(), 8);
+  for (const Layout& layout : {Layout{n, 1}, Layout{n, n}}) {
+    SCOPED_TRACE(layout.str());
+    cuda::RankGroup group(layout.ranks());
+    std::vector<std::unique_ptr<cuda::DeviceModel>> parts(static_cast<size_t>(n));
+    std::vector<std::unique_ptr<cuda::Decoder>> decs(static_cast<size_t>(n));
+    group.run([&](int r) {
+      parts[size_t(r)] = cuda::DeviceModel::random(c, 1, layout, r);
+      decs[size_t(r)] = std::make_unique<cuda::Decoder>(*parts[size_t(r)], B, ctx, false, group.link(r));
+      KESTREL_CUDA_CHECK(cudaMemcpy(decs[size_t(r)]->tokens(), start_tokens.data(), B * 4, cudaMemcpyHostToDevice));
+      KESTREL_CUDA_CHECK(cudaMemcpy(decs[size_t(r)]->positions(), start_pos.data(), B * 4, cudaMemcpyHostToDevice));
+    });
+    double worst = 0;
+    for (int i = 0; i < steps; ++i) {
+      std::vector<float> got(static_cast<size_t>(B * V), NAN);
+      std::vector<int32_t> tokens(static_cast<size_t>(B), -1);
+      group.run([&](int r) {
+        decs[size_t(r)]->step_graph(B, true, group.stream(r));
+        KESTREL_CUDA_CHECK(cudaStreamSynchronize(group.stream(r)));
+        if (r == 0) {
+          KESTREL_CUDA_CHECK(cudaMemcpy(got.data(), decs[0]->logits(), got.size() * 4, cudaMemcpyDeviceToHost));
+          KESTREL_CUDA_CHECK(cudaMemcpy(tokens.data(), decs[0]->tokens(), B * 4, cudaMemcpyDeviceToHost));
+        }
+      });
+      for (int b = 0; b < B; ++b)
+        worst = std::max(worst, test::rel_l2(&got[size_t(b * V)], &want[size_t(i)][size_t(b * V)], V));
+      EXPECT_EQ(tokens, want_tokens[size_t(i)]) << "step " << i;
+    }
+    EXPECT_LE(worst, kVsCpu);
+    std::printf("  random Qwen3-30B-A3B %s vs unsplit, %d greedy steps of 2 sequences: worst rel L2 %.2e\n",
+                layout.str().c_str(), steps, worst);
+    group.run([&](int r) {
+      decs[size_t(r)].reset();
+      parts[size_t(r)].reset();
+    });
+  }
+}
 
 // A rank that fails inside a step stops the step on every rank with its error, instead of
 // leaving the others waiting in a collective; the group then refuses further work.

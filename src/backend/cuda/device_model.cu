@@ -18,23 +18,39 @@ __device__ __forceinline__ uint32_t hash32(uint64_t x) {
   return uint32_t(x);
 }
 
-__global__ void fill_bytes_kernel(uint8_t* p, size_t n, uint64_t seed) {
-  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = uint8_t(hash32(seed * 0x9E3779B97F4A7C15ull + i));
+// Random matrices are functions of (seed, element index in the whole matrix), so a rank's block
+// of a split model holds exactly the values of the same block of the unsplit model.
+// Byte (r, c) of a block starting at row row0, byte col0 of a matrix with full_row bytes per row.
+__global__ void fill_bytes_kernel(uint8_t* p, int64_t rows, int64_t row, int64_t row0, int64_t col0, int64_t full_row,
+                                  uint64_t seed) {
+  const size_t n = size_t(rows * row);
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const size_t full = size_t(row0 + int64_t(i) / row) * full_row + size_t(col0 + int64_t(i) % row);
+    p[i] = uint8_t(hash32(seed * 0x9E3779B97F4A7C15ull + full));
+  }
 }
 
 __global__ void fill_const_kernel(uint8_t* p, size_t n, uint8_t v) {
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) p[i] = v;
 }
 
-// Uniform in [-a, a] as BF16.
-__global__ void fill_bf16_kernel(uint16_t* p, size_t n, float a, uint64_t seed) {
+// Uniform in [-a, a] as BF16, element (r, c) of the block as fill_bytes_kernel.
+__global__ void fill_bf16_kernel(uint16_t* p, int64_t rows, int64_t row, int64_t row0, int64_t col0, int64_t full_row,
+                                 float a, uint64_t seed) {
+  const size_t n = size_t(rows * row);
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const float u = float(hash32(seed * 0x9E3779B97F4A7C15ull + i)) * (2.0f / 4294967296.0f) - 1.0f;
+    const size_t full = size_t(row0 + int64_t(i) / row) * full_row + size_t(col0 + int64_t(i) % row);
+    const float u = float(hash32(seed * 0x9E3779B97F4A7C15ull + full)) * (2.0f / 4294967296.0f) - 1.0f;
     const float v = u * a;
     uint32_t bits = __float_as_uint(v);
     p[i] = uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
   }
+}
+
+uint64_t name_seed(const std::string& name, uint64_t seed) {  // FNV-1a
+  uint64_t h = 1469598103934665603ull ^ seed;
+  for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ull;
+  return h;
 }
 
 uint8_t nearest_e4m3(float v) {
@@ -102,20 +118,22 @@ const DLinear* DeviceModel::put_array(const std::vector<DLinear>& v) {
 }
 
 // Random weights of about unit activation scale: NVFP4 codes uniform over all 16 values with one
-// block scale for the whole matrix, BF16 uniform in +-sqrt(3/in).
-DLinear DeviceModel::make_random(int out, int in, bool nvfp4, uint64_t seed) {
+// block scale for the whole matrix, BF16 uniform in +-sqrt(3/in) (in: the whole matrix's).
+DLinear DeviceModel::make_random(const std::string& name, const RandomBlock& b, bool nvfp4, uint64_t seed) {
   DLinear d;
-  d.out = out;
-  d.in = in;
-  const size_t n = size_t(out) * size_t(in);
+  d.out = int(b.rows);
+  d.in = int(b.cols);
+  const size_t n = size_t(b.rows) * size_t(b.cols);
+  seed = name_seed(name, seed);
   if (nvfp4) {
-    if (in % 16 != 0) fail("random NVFP4 weights need in % 16 == 0, got ", in);
+    if (b.cols % 16 != 0 || b.col0 % 16 != 0 || b.full_in % 16 != 0)
+      fail("random NVFP4 weights need columns in blocks of 16: ", name);
     d.format = DFormat::NVFP4;
     auto* codes = static_cast<uint8_t*>(alloc(n / 2));
     auto* scales = static_cast<uint8_t*>(alloc(n / 16));
-    fill_bytes_kernel<<<1024, 256>>>(codes, n / 2, seed);
+    fill_bytes_kernel<<<1024, 256>>>(codes, b.rows, b.cols / 2, b.row0, b.col0 / 2, b.full_in / 2, seed);
     // E2M1 codes uniform over 16 values have variance ~7.4; scale to variance 1/in.
-    fill_const_kernel<<<1024, 256>>>(scales, n / 16, nearest_e4m3(float(1.0 / std::sqrt(7.4 * in))));
+    fill_const_kernel<<<1024, 256>>>(scales, n / 16, nearest_e4m3(float(1.0 / std::sqrt(7.4 * double(b.full_in)))));
     KESTREL_CUDA_LAUNCHED();
     d.data = codes;
     d.scales = scales;
@@ -123,7 +141,8 @@ DLinear DeviceModel::make_random(int out, int in, bool nvfp4, uint64_t seed) {
   } else {
     d.format = DFormat::BF16;
     auto* w = static_cast<uint16_t*>(alloc(n * 2));
-    fill_bf16_kernel<<<1024, 256>>>(w, n, float(std::sqrt(3.0 / in)), seed);
+    fill_bf16_kernel<<<1024, 256>>>(w, b.rows, b.cols, b.row0, b.col0, b.full_in, float(std::sqrt(3.0 / double(b.full_in))),
+                                    seed);
     KESTREL_CUDA_LAUNCHED();
     d.data = reinterpret_cast<const uint8_t*>(w);
   }
@@ -222,11 +241,21 @@ std::unique_ptr<DeviceModel> DeviceModel::random(const ModelConfig& full, uint64
   const ModelConfig& c = sd.config;
   std::unique_ptr<DeviceModel> d(new DeviceModel(c));
   const int H = int(c.hidden_size), hd = int(c.head_dim);
-  uint64_t s = seed;
-  auto lin = [&](const std::string& name, int out, int in) { return d->make_random(out, in, c.quant.quantizes(name), ++s); };
-  d->embed_ = d->make_random(int(c.vocab_size), H, false, ++s);
-  const int vocab_rows = int(sd.vocab.end - sd.vocab.begin);
-  d->lm_head_ = c.tie_word_embeddings && !layout.split() ? d->embed_ : d->make_random(vocab_rows, H, false, ++s);
+  // A whole matrix, its output rows [r0, r0 + rows) of full_out, or its input columns [c0, c0 + cols) of full_in.
+  auto whole = [&](const std::string& name, int64_t out, int64_t in, bool bf16 = false) {
+    return d->make_random(name, {in, 0, out, 0, in}, !bf16 && c.quant.quantizes(name), seed);
+  };
+  auto rows = [&](const std::string& name, int64_t r0, int64_t n, int64_t in) {
+    return d->make_random(name, {in, r0, n, 0, in}, c.quant.quantizes(name), seed);
+  };
+  auto cols = [&](const std::string& name, int64_t out, int64_t c0, int64_t n, int64_t full_in) {
+    return d->make_random(name, {full_in, 0, out, c0, n}, c.quant.quantizes(name), seed);
+  };
+  d->embed_ = whole("model.embed_tokens", c.vocab_size, H, true);
+  d->lm_head_ = c.tie_word_embeddings && !layout.split()
+                    ? d->embed_
+                    : d->make_random(c.tie_word_embeddings ? "model.embed_tokens" : "lm_head",
+                                     {H, sd.vocab.begin, sd.vocab.end - sd.vocab.begin, 0, H}, false, seed);
   const std::vector<float> ones(size_t(std::max<int64_t>(H, hd)), 1.0f);
   d->final_norm_ = d->floats(std::vector<float>(size_t(H), 1.0f));
   d->inv_freq_ = d->floats(c.rope.inv_freq());
@@ -239,33 +268,35 @@ std::unique_ptr<DeviceModel> DeviceModel::random(const ModelConfig& full, uint64
     if (c.is_mla()) {
       // kv_b stays BF16 (the absorbed kernels read it so); biases are left out.
       const MlaConfig& m = c.mla;
-      const int nh = int(c.num_heads), qk = int(m.qk_head_dim()), r = int(m.kv_lora_rank);
+      const int64_t nh = c.num_heads, h0 = sd.head0, qk = m.qk_head_dim(), r = m.kv_lora_rank;
+      const int64_t kvh = m.qk_nope_head_dim + m.v_head_dim, fh = full.num_heads;
       const std::string a = p + "self_attn.";
       if (m.q_lora_rank > 0) {
-        l.mla.q_a = lin(a + "q_a_proj", int(m.q_lora_rank), H);
-        l.mla.q_b = lin(a + "q_b_proj", nh * qk, int(m.q_lora_rank));
+        l.mla.q_a = whole(a + "q_a_proj", m.q_lora_rank, H);
+        l.mla.q_b = rows(a + "q_b_proj", h0 * qk, nh * qk, m.q_lora_rank);
         l.mla.q_a_norm = d->floats(std::vector<float>(size_t(m.q_lora_rank), 1.0f));
       } else {
-        l.mla.q = lin(a + "q_proj", nh * qk, H);
+        l.mla.q = rows(a + "q_proj", h0 * qk, nh * qk, H);
       }
-      l.mla.kv_a = lin(a + "kv_a_proj_with_mqa", int(m.latent()), H);
-      l.mla.kv_b = d->make_random(nh * int(m.qk_nope_head_dim + m.v_head_dim), r, false, ++s);
+      l.mla.kv_a = whole(a + "kv_a_proj_with_mqa", m.latent(), H);
+      l.mla.kv_b = d->make_random(a + "kv_b_proj", {r, h0 * kvh, nh * kvh, 0, r}, false, seed);
       l.mla.kv_a_norm = d->floats(std::vector<float>(size_t(r), 1.0f));
-      l.o = lin(a + "o_proj", H, nh * int(m.v_head_dim));
+      l.o = cols(a + "o_proj", H, h0 * m.v_head_dim, nh * m.v_head_dim, fh * m.v_head_dim);
       const IndexerConfig& ix = c.indexer;
       l.mla.has_indexer = ix.enabled() && ix.own[size_t(i)];
       if (l.mla.has_indexer) {
-        l.mla.index_wq_b = lin(a + "indexer.wq_b", int(ix.heads * ix.head_dim), int(m.q_lora_rank));
-        l.mla.index_wk = lin(a + "indexer.wk", int(ix.head_dim), H);
-        l.mla.index_weights = lin(a + "indexer.weights_proj", int(ix.heads), H);
+        l.mla.index_wq_b = whole(a + "indexer.wq_b", ix.heads * ix.head_dim, m.q_lora_rank);
+        l.mla.index_wk = whole(a + "indexer.wk", ix.head_dim, H);
+        l.mla.index_weights = whole(a + "indexer.weights_proj", ix.heads, H);
         l.mla.index_norm_w = d->floats(std::vector<float>(size_t(ix.head_dim), 1.0f));
         l.mla.index_norm_b = d->floats(std::vector<float>(size_t(ix.head_dim), 0.0f));
       }
     } else {
-      l.q = lin(p + "self_attn.q_proj", int(c.num_heads) * hd, H);
-      l.k = lin(p + "self_attn.k_proj", int(c.num_kv_heads) * hd, H);
-      l.v = lin(p + "self_attn.v_proj", int(c.num_kv_heads) * hd, H);
-      l.o = lin(p + "self_attn.o_proj", H, int(c.num_heads) * hd);
+      const int64_t nh = c.num_heads, nkv = c.num_kv_heads;
+      l.q = rows(p + "self_attn.q_proj", sd.head0 * hd, nh * hd, H);
+      l.k = rows(p + "self_attn.k_proj", sd.kv_head0 * hd, nkv * hd, H);
+      l.v = rows(p + "self_attn.v_proj", sd.kv_head0 * hd, nkv * hd, H);
+      l.o = cols(p + "self_attn.o_proj", H, sd.head0 * hd, nh * hd, full.num_heads * hd);
     }
     if (c.qkv_bias && !c.is_mla()) {
       l.q.bias = d->floats(std::vector<float>(size_t(l.q.out), 0.0f));
@@ -275,23 +306,24 @@ std::unique_ptr<DeviceModel> DeviceModel::random(const ModelConfig& full, uint64
     if (c.qk_norm) l.q_norm = l.k_norm = norm_hd;
     l.is_moe = c.is_moe_layer(i);
     if (!l.is_moe) {
-      const int I = int(c.intermediate_size);
-      l.gate = lin(p + "mlp.gate_proj", I, H);
-      l.up = lin(p + "mlp.up_proj", I, H);
-      l.down = lin(p + "mlp.down_proj", H, I);
+      const int64_t I = c.intermediate_size, i0 = sd.ffn0;
+      l.gate = rows(p + "mlp.gate_proj", i0, I, H);
+      l.up = rows(p + "mlp.up_proj", i0, I, H);
+      l.down = cols(p + "mlp.down_proj", H, i0, I, full.intermediate_size);
     } else {
       DMoe& moe = l.moe;
       const int E = int(c.num_experts), I = int(c.moe_intermediate_size);
       const int first = int(sd.first_expert), local = int(sd.experts);
       const float* bias =
           c.router == RouterKind::SigmoidBias ? d->floats(std::vector<float>(size_t(E), 0.0f)) : nullptr;
-      moe.router = make_router(c, d->make_random(E, H, false, ++s), bias);
+      moe.router = make_router(c, whole(p + c.moe_prefix + ".gate", E, H, true), bias);
       std::vector<DLinear> g, u, dn;
       const std::string ep = p + c.moe_prefix + ".experts.";
+      const int64_t x0 = sd.expert_col0, FI = full.moe_intermediate_size;
       for (int e = first; e < first + local; ++e) {
-        g.push_back(lin(ep + std::to_string(e) + "." + c.expert_gate, I, H));
-        u.push_back(lin(ep + std::to_string(e) + "." + c.expert_up, I, H));
-        dn.push_back(lin(ep + std::to_string(e) + "." + c.expert_down, H, I));
+        g.push_back(rows(ep + std::to_string(e) + "." + c.expert_gate, x0, I, H));
+        u.push_back(rows(ep + std::to_string(e) + "." + c.expert_up, x0, I, H));
+        dn.push_back(cols(ep + std::to_string(e) + "." + c.expert_down, H, x0, I, FI));
       }
       moe.expert_gate = g[0];
       moe.gate = d->put_array(g);
@@ -303,10 +335,10 @@ std::unique_ptr<DeviceModel> DeviceModel::random(const ModelConfig& full, uint64
       moe.local_experts = local;
       moe.has_shared = c.num_shared_experts > 0;
       if (moe.has_shared) {
-        const int S = int(sd.shared_width);
-        moe.shared_gate = lin(p + "mlp.shared_experts.gate_proj", S, H);
-        moe.shared_up = lin(p + "mlp.shared_experts.up_proj", S, H);
-        moe.shared_down = lin(p + "mlp.shared_experts.down_proj", H, S);
+        const int64_t S = sd.shared_width, s0 = sd.shared0, FS = full.moe_intermediate_size * full.num_shared_experts;
+        moe.shared_gate = rows(p + "mlp.shared_experts.gate_proj", s0, S, H);
+        moe.shared_up = rows(p + "mlp.shared_experts.up_proj", s0, S, H);
+        moe.shared_down = cols(p + "mlp.shared_experts.down_proj", H, s0, S, FS);
       }
     }
     if (!l.is_moe) d->expert_bytes_.push_back(0);

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "backend/cuda/dlinear.h"
@@ -62,7 +63,11 @@ class DeviceModel {
   void* alloc(size_t bytes);
   const float* floats(const std::vector<float>& v);
   DLinear put(const Linear& l);
-  DLinear make_random(int out, int in, bool nvfp4, uint64_t seed);
+  // Rows [row0, row0 + rows) and columns [col0, col0 + cols) of a random matrix with full_in columns.
+  struct RandomBlock {
+    int64_t full_in, row0, rows, col0, cols;
+  };
+  DLinear make_random(const std::string& name, const RandomBlock& b, bool nvfp4, uint64_t seed);
   const DLinear* put_array(const std::vector<DLinear>& v);
 
   ModelConfig config_;
