@@ -28,6 +28,16 @@ set +e
 tests_rc=$?
 set -e
 grep -E "^\[  FAILED  \]|worst rel|Failure|Expected|Which is|actual" "$OUT/gpu_tests.log" | head -40 || true
+# With several GPUs, the split tests once more on one of them: the split code path with one rank.
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && [ -z "${GTEST_FILTER:-}" ]; then
+  set +e
+  CUDA_VISIBLE_DEVICES=0 "$BUILD/tests/gpu/kestrel_gpu_tests" --gtest_filter='*Split*:RankGroup*:CudaCommOneRank*' \
+    >"$OUT/gpu_tests_one_gpu.log" 2>&1
+  one_rc=$?
+  set -e
+  [ $one_rc -ne 0 ] && tests_rc=$one_rc
+  grep -E "^\[  FAILED  \]|Failure" "$OUT/gpu_tests_one_gpu.log" | head -20 || true
+fi
 
 # The commands on the GPU: a fixture's logits through `--device cuda` against `--device cpu`.
 fx=tests/fixtures/qwen3moe-nvfp4
@@ -130,7 +140,7 @@ fi
 # Split decode over every GPU present, against the roofline of the same layout.
 if [ -z "${SKIP_BENCH:-}" ] && [ "$GPUS" -ge 2 ]; then
   for m in qwen3-30b-a3b glm-4.5-air; do
-    bench "$m-tp$GPUS" --config "configs/$m-nvfp4.json" --random-weights --batch 1,8 --context 1024 --steps 30 --tp "$GPUS"
+    bench "$m-tp$GPUS" --config "configs/$m-nvfp4.json" --random-weights --batch 1,8 --context 1024 --steps 30 --tp "$GPUS" --ops
     bench "$m-tp$GPUS-ep$GPUS" --config "configs/$m-nvfp4.json" --random-weights --batch 1,8 --context 1024 --steps 30 \
       --tp "$GPUS" --ep "$GPUS"
   done
@@ -139,6 +149,9 @@ fi
 echo
 echo "== kestrel GPU suite =="
 printf "tests: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests.log" | tr '\n' ' ')"
+[ -f "$OUT/gpu_tests_one_gpu.log" ] &&
+  printf "split tests on one GPU: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests_one_gpu.log" | tr '\n' ' ')"
+grep -h "random Qwen3" "$OUT/gpu_tests.log" || true
 grep "^cli:" "$OUT/cli.txt" || true
 [ -f "$OUT/allreduce.json" ] && cat "$OUT/allreduce.txt" || true
 [ -f "$OUT/bench.txt" ] && grep -E "^== |^ *(batch|[0-9])|^  [a-z_]+ +[0-9]|^  total|^extrapolated|^ *[a-z0-9.-]+ +B=" "$OUT/bench.txt" | grep -v "random weights" || true
