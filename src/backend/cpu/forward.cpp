@@ -16,6 +16,11 @@
 namespace kestrel::cpu {
 namespace {
 
+void check_tokens(std::span<const int32_t> tokens, int64_t vocab) {
+  for (int32_t id : tokens)
+    if (id < 0 || id >= vocab) fail("token id ", id, " is outside the vocabulary [0, ", vocab, ")");
+}
+
 RopeTables index_rope_of(const ModelConfig& c) {
   RopeTables t(c.rope);
   t.interleaved = c.indexer.rope_interleaved;
@@ -106,8 +111,7 @@ void Forward::run(std::span<const int32_t> tokens, KvCache& cache, float* logits
   const int64_t T = int64_t(tokens.size()), start = cache.length();
   if (T == 0) return;
   cache.check_room(T);
-  for (int32_t id : tokens)
-    if (id < 0 || id >= c_.vocab_size) fail("token id ", id, " is outside the vocabulary [0, ", c_.vocab_size, ")");
+  check_tokens(tokens, c_.vocab_size);
   const size_t n = split_->ranks.size();
   std::vector<std::exception_ptr> errors(n);
   auto rank = [&](size_t r) {
@@ -167,8 +171,7 @@ void Forward::run_rank(std::span<const int32_t> tokens, KvCache& cache, float* l
   const int64_t T = int64_t(tokens.size()), H = c_.hidden_size, start = cache.length();
   if (T == 0) return;
   cache.check_room(T);
-  for (int32_t id : tokens)
-    if (id < 0 || id >= c_.vocab_size) fail("token id ", id, " is outside the vocabulary [0, ", c_.vocab_size, ")");
+  check_tokens(tokens, c_.vocab_size);
   const ModelWeights& w = model_.weights;
 
   std::vector<float> x(static_cast<size_t>(T * H)), xn(static_cast<size_t>(T * H)), tmp(static_cast<size_t>(T * H));
