@@ -1,4 +1,5 @@
-// kestrel serve: the OpenAI-compatible HTTP server (CPU backend). SIGINT/SIGTERM stop admitting,
+// kestrel serve: the OpenAI-compatible HTTP server, on the GPU (one batched decode step per token
+// for all running sequences) or the CPU (--device). SIGINT/SIGTERM stop admitting,
 // let running requests finish within --grace seconds, cancel the rest and exit 0.
 #include <csignal>
 #include <cstdio>
@@ -11,15 +12,24 @@
 
 #include "apps/commands.h"
 #include "apps/model_options.h"
+#include "apps/runner.h"
 #include "common/error.h"
 #include "model/weights.h"
 #include "runtime/engine.h"
 #include "server/http_server.h"
 #include "text/gguf_tokenizer.h"
 #include "text/model_chat.h"
+#ifdef KESTREL_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "backend/cuda/gpu_model.h"
+#include "backend/cuda/gpu_slots.h"
+#endif
 
 namespace kestrel::apps {
 namespace {
+
+constexpr int kMaxGpuBatch = 8;  // cuda::GpuSlots::kMaxSlots: the decode kernels' largest batch
 
 struct Options {
   std::string model, host = "127.0.0.1", api_key, name;
@@ -27,9 +37,16 @@ struct Options {
   int64_t context = 0, kv_tokens = 0;
   double grace = 10.0;
   Progress progress = Progress::Auto;
-  std::string quant = "none";
+  std::string quant = "none", device = "auto";
   Layout layout;
 };
+
+#ifdef KESTREL_HAVE_CUDA
+bool gpu_present() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#endif
 
 }  // namespace
 
@@ -48,8 +65,12 @@ Run add_serve(CLI::App& app) {
   add_progress_flag(app, o->progress);
   add_quant_option(app, o->quant);
   add_layout_options(app, o->layout);
+  app.add_option("--device", o->device,
+                 "auto (the GPU when one is present and reads the model's formats), cpu or cuda (at most " +
+                     std::to_string(kMaxGpuBatch) + " sequences at once on the GPU)");
   return [o]() {
     check_quant_option(o->quant);
+    check_device_option(o->device);
     if (o->port < 0 || o->port > 65535) fail("--port: expected 0..65535, got ", o->port);
     if (o->grace < 0) fail("--grace: must be >= 0");
     if (!std::filesystem::exists(o->model)) fail(o->model, ": no such file or folder");
@@ -74,7 +95,32 @@ Run add_serve(CLI::App& app) {
     eo.kv_tokens = o->kv_tokens;
     eo.threads = o->threads;
     eo.layout = o->layout;
-    Engine engine(*model, eo);
+    check_layout(eo.layout, long(model->config.num_experts));
+    std::unique_ptr<SequenceSlots> slots;
+#ifdef KESTREL_HAVE_CUDA
+    std::unique_ptr<cuda::GpuModel> gpus;
+    if (o->device == "cuda" || (o->device == "auto" && gpu_present())) {
+      try {
+        if (!gpu_present()) fail("--device cuda: no CUDA GPU is visible");
+        if (eo.max_batch > kMaxGpuBatch) {
+          std::fprintf(stderr, "kestrel: --max-batch %d: the GPU runs at most %d sequences at once; using %d\n",
+                       eo.max_batch, kMaxGpuBatch, kMaxGpuBatch);
+          eo.max_batch = kMaxGpuBatch;
+        }
+        gpus = std::make_unique<cuda::GpuModel>(*model, eo.layout);
+        slots = std::make_unique<cuda::GpuSlots>(*gpus, eo.max_batch, int(engine_context(*model, eo)));
+      } catch (const Error& e) {
+        if (o->device == "cuda") throw;
+        std::fprintf(stderr, "kestrel: serving on the CPU: %s\n", e.what());
+        slots.reset();
+        gpus.reset();
+        eo.max_batch = o->max_batch;
+      }
+    }
+#else
+    if (o->device == "cuda") fail("--device cuda: this kestrel was built without CUDA");
+#endif
+    Engine engine(*model, eo, std::move(slots));
 
     server::ServerOptions so;
     so.host = o->host;
@@ -84,9 +130,9 @@ Run add_serve(CLI::App& app) {
     if (so.model_name.empty()) so.model_name = "model";
     server::HttpServer http(engine, tok, chat, so);
     const int port = http.bind();
-    std::fprintf(stderr, "kestrel: serving %s on http://%s:%d (context %lld, max batch %d, %lld KV positions)\n",
-                 so.model_name.c_str(), so.host.c_str(), port, (long long)engine.context(), eo.max_batch,
-                 (long long)engine.stats().kv_capacity);
+    std::fprintf(stderr, "kestrel: serving %s on http://%s:%d (%s; context %lld, max batch %d, %lld KV positions)\n",
+                 so.model_name.c_str(), so.host.c_str(), port, engine.describe().c_str(), (long long)engine.context(),
+                 eo.max_batch, (long long)engine.stats().kv_capacity);
     std::fflush(stderr);
 
     std::thread waiter([&] {

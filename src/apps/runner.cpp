@@ -6,12 +6,10 @@
 #include "backend/cpu/forward.h"
 #include "common/error.h"
 #include "common/thread_pool.h"
-#include "parallel/shard.h"
 #ifdef KESTREL_HAVE_CUDA
 #include <cuda_runtime.h>
 
-#include "backend/cuda/device_model.h"
-#include "backend/cuda/rank_group.h"
+#include "backend/cuda/gpu_model.h"
 #include "backend/cuda/session.h"
 #endif
 
@@ -50,49 +48,19 @@ class CpuRunner final : public Runner {
 #ifdef KESTREL_HAVE_CUDA
 class CudaRunner final : public Runner {
  public:
-  // Unsplit: the model on GPU 0. Split: rank r's part (parallel/shard.h) on GPU r.
-  CudaRunner(const Model& m, int64_t capacity, const Layout& layout) : layout_(layout) {
+  CudaRunner(const Model& m, int64_t capacity, const Layout& layout) : gpus_(m, layout) {
     if (capacity > INT32_MAX) fail("a context of ", capacity, " tokens is too long for the CUDA backend");
-    if (!layout.split()) {
-      models_.push_back(cuda::DeviceModel::upload(m));
-      session_ = std::make_unique<cuda::Session>(*models_[0], int(capacity));
-    } else {
-      group_ = std::make_unique<cuda::RankGroup>(layout.ranks());
-      std::vector<std::unique_ptr<Model>> shards;
-      for (int r = 0; r < layout.ranks(); ++r) shards.push_back(shard_model(m, layout, r));
-      models_.resize(shards.size());
-      group_->run([&](int r) { models_[size_t(r)] = cuda::DeviceModel::upload(*shards[size_t(r)]); });
-      std::vector<const cuda::DeviceModel*> ranks;
-      for (const auto& d : models_) ranks.push_back(d.get());
-      session_ = std::make_unique<cuda::Session>(*group_, ranks, int(capacity));
-    }
-    cudaDeviceProp p{};
-    if (cudaGetDeviceProperties(&p, 0) == cudaSuccess) name_ = p.name;
-  }
-  ~CudaRunner() override {
-    session_.reset();
-    if (group_) {
-      try {
-        group_->run([&](int r) { models_[size_t(r)].reset(); });  // each freed on its GPU
-      } catch (const std::exception&) {
-      }
-    }
-    models_.clear();
+    session_ = std::make_unique<cuda::Session>(gpus_, int(capacity));
   }
   void run(std::span<const int32_t> tokens, float* logits, bool all) override { session_->run(tokens, logits, all); }
   void reset() override { session_->reset(); }
   int64_t position() const override { return session_->position(); }
-  int64_t vocab() const override { return models_[0]->config().vocab_size; }
-  std::string describe() const override {
-    return "cuda, " + (layout_.split() ? std::to_string(layout_.ranks()) + " x " + name_ + ", " + layout_.str() : name_);
-  }
+  int64_t vocab() const override { return gpus_.part(0).config().vocab_size; }
+  std::string describe() const override { return "cuda, " + gpus_.describe(); }
 
  private:
-  Layout layout_;
-  std::unique_ptr<cuda::RankGroup> group_;
-  std::vector<std::unique_ptr<cuda::DeviceModel>> models_;
+  cuda::GpuModel gpus_;
   std::unique_ptr<cuda::Session> session_;
-  std::string name_ = "GPU 0";
 };
 
 bool gpu_present() {

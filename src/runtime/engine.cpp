@@ -4,9 +4,8 @@
 #include <chrono>
 #include <cmath>
 
-#include "backend/cpu/forward.h"
 #include "common/error.h"
-#include "runtime/kv_cache.h"
+#include "runtime/sequence_slots.h"
 
 namespace kestrel {
 
@@ -31,8 +30,9 @@ void RequestStream::push(TokenEvent e) {
 struct Engine::Sequence {
   GenerationRequest req;
   std::shared_ptr<RequestStream> stream;
-  std::unique_ptr<KvCache> cache;
+  int slot = -1;                 // in slots_, once started
   std::unique_ptr<Sampler> sampler;
+  std::vector<float> logits;     // of the next token, after a step that produced them
   std::vector<int32_t> history;  // prompt, then the generated tokens
   size_t prefilled = 0;          // prompt tokens already run
   int generated = 0;
@@ -41,16 +41,24 @@ struct Engine::Sequence {
   bool done = false;             // the end event was sent
 };
 
-Engine::Engine(const Model& model, const EngineOptions& o) : model_(model), o_(o), pool_(o.threads) {
+int64_t engine_context(const Model& model, const EngineOptions& o) {
   const ModelConfig& c = model.config;
+  const int64_t n = o.context > 0 ? o.context
+                                  : std::min<int64_t>(c.max_position_embeddings > 0 ? c.max_position_embeddings : 8192, 8192);
+  if (c.max_position_embeddings > 0 && n > c.max_position_embeddings)
+    fail("--context: ", n, " is more than the model's max_position_embeddings of ", c.max_position_embeddings);
+  return n;
+}
+
+Engine::Engine(const Model& model, const EngineOptions& o, std::unique_ptr<SequenceSlots> slots)
+    : model_(model), o_(o), slots_(std::move(slots)) {
   if (o_.max_batch < 1) fail("--max-batch: must be at least 1, got ", o_.max_batch);
   if (o_.prefill_chunk < 1) fail("prefill chunk must be at least 1, got ", o_.prefill_chunk);
-  context_ = o_.context > 0 ? o_.context
-                            : std::min<int64_t>(c.max_position_embeddings > 0 ? c.max_position_embeddings : 8192, 8192);
-  if (c.max_position_embeddings > 0 && context_ > c.max_position_embeddings)
-    fail("--context: ", context_, " is more than the model's max_position_embeddings of ", c.max_position_embeddings);
+  context_ = engine_context(model, o_);
   if (o_.kv_tokens <= 0) o_.kv_tokens = 32 * context_;
-  fwd_ = std::make_unique<cpu::Forward>(model, pool_, o_.layout);
+  if (!slots_) slots_ = make_cpu_slots(model, o_.max_batch, o_.threads, o_.layout);
+  if (slots_->slots() < o_.max_batch)
+    fail("--max-batch ", o_.max_batch, ": ", slots_->describe(), " runs at most ", slots_->slots(), " sequences at once");
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -127,29 +135,73 @@ void Engine::finish(Sequence& s, Finish f, const std::string& error, bool locked
   e.finish = f;
   e.error = error;
   s.stream->push(std::move(e));
-  s.cache.reset();
+  if (s.slot >= 0) slots_->close(s.slot);
+  s.slot = -1;
   s.done = true;
 }
 
-void Engine::step(Sequence& s) {
+void Engine::step_all() {
   const int64_t V = model_.config.vocab_size;
-  std::vector<float> logits;
-  if (s.prefilled < s.req.prompt.size()) {
-    const size_t n = std::min(s.req.prompt.size() - s.prefilled, size_t(o_.prefill_chunk));
-    const bool last = s.prefilled + n == s.req.prompt.size();
-    if (!last) {
-      fwd_->run({s.req.prompt.data() + s.prefilled, n}, *s.cache, nullptr);
-      s.prefilled += n;
-      return;
+  const int64_t chunk = std::min<int64_t>(o_.prefill_chunk, slots_->max_chunk());
+  std::vector<SequenceSlots::Job> jobs;
+  std::vector<Sequence*> seqs;
+  std::vector<size_t> ran;  // prompt tokens each job runs (0: a generated token)
+  for (auto& sp : running_) {
+    Sequence& s = *sp;
+    if (s.done) continue;
+    if (s.stream->cancelled()) {
+      finish(s, Finish::Cancelled);
+      continue;
     }
-    std::vector<float> all(n * size_t(V));
-    fwd_->run({s.req.prompt.data() + s.prefilled, n}, *s.cache, all.data());
-    s.prefilled += n;
-    logits.assign(all.end() - V, all.end());
-  } else {
-    logits.resize(size_t(V));
-    fwd_->run({&s.history.back(), 1}, *s.cache, logits.data());
+    try {
+      if (s.slot < 0) {
+        if (s.req.max_tokens == 0) {
+          finish(s, Finish::Length);
+          continue;
+        }
+        s.slot = slots_->open(s.reserved);
+        s.sampler = std::make_unique<Sampler>(s.req.sampling);
+        s.history = s.req.prompt;
+        std::lock_guard<std::mutex> lock(mu_);
+        prompt_tokens_ += int64_t(s.req.prompt.size());
+      }
+    } catch (const std::exception& ex) {
+      finish(s, Finish::Error, ex.what());
+      continue;
+    }
+    SequenceSlots::Job j;
+    j.slot = s.slot;
+    size_t n = 0;  // prompt tokens
+    if (s.prefilled < s.req.prompt.size()) {
+      n = std::min(s.req.prompt.size() - s.prefilled, size_t(chunk));
+      j.tokens = {s.req.prompt.data() + s.prefilled, n};
+    } else {
+      j.tokens = {&s.history.back(), 1};
+    }
+    if (s.prefilled + n == s.req.prompt.size()) {  // this step gives the next token's logits
+      s.logits.resize(size_t(V));
+      j.logits = s.logits.data();
+    }
+    jobs.push_back(j);
+    seqs.push_back(&s);
+    ran.push_back(n);
   }
+  if (jobs.empty()) return;
+  try {
+    slots_->run(jobs);
+  } catch (const std::exception& ex) {
+    for (Sequence* s : seqs) finish(*s, Finish::Error, ex.what());
+    return;
+  }
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    Sequence& s = *seqs[i];
+    s.prefilled += ran[i];
+    if (jobs[i].logits) emit(s, s.logits);
+  }
+}
+
+void Engine::emit(Sequence& s, const std::vector<float>& logits) {
+  const int64_t V = model_.config.vocab_size;
   TokenEvent e;
   e.token = s.sampler->sample(logits, s.history, s.req.prompt.size());
   if (s.req.top_logprobs >= 0) {
@@ -205,30 +257,7 @@ void Engine::loop() {
         running_.back()->admitted = true;
       }
     }
-    for (auto& sp : running_) {
-      Sequence& s = *sp;
-      if (s.done) continue;
-      if (s.stream->cancelled()) {
-        finish(s, Finish::Cancelled);
-        continue;
-      }
-      try {
-        if (!s.cache) {
-          if (s.req.max_tokens == 0) {
-            finish(s, Finish::Length);
-            continue;
-          }
-          s.cache = std::make_unique<KvCache>(fwd_->make_cache(s.reserved));
-          s.sampler = std::make_unique<Sampler>(s.req.sampling);
-          s.history = s.req.prompt;
-          std::lock_guard<std::mutex> lock(mu_);
-          prompt_tokens_ += int64_t(s.req.prompt.size());
-        }
-        step(s);
-      } catch (const std::exception& ex) {
-        finish(s, Finish::Error, ex.what());
-      }
-    }
+    step_all();
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = running_.begin(); it != running_.end();) {
       if ((*it)->done) {

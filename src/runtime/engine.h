@@ -2,8 +2,9 @@
 // steps (continuous batching), prompts are prefilled in chunks so that a long prompt does not
 // stall the sequences already decoding, and admission is bounded by the KV cache: a request
 // reserves prompt + max_tokens positions, waits while they are not free, and is refused at once
-// when it could never fit. Sequences advance one after another on the CPU backend, each with its
-// own KV cache and sampler, so a request yields the same tokens alone or among many.
+// when it could never fit. Every step advances every running sequence (sequence_slots.h: one
+// after another on the CPU, one batched decode step on the GPU); each has its own KV cache and
+// sampler, so a request yields the same tokens alone or among many (on the GPU to rounding).
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -20,12 +21,9 @@
 #include "model/weights.h"
 #include "parallel/layout.h"
 #include "runtime/sampler.h"
+#include "runtime/sequence_slots.h"
 
 namespace kestrel {
-
-namespace cpu {
-class Forward;
-}
 
 struct EngineOptions {
   int max_batch = 16;          // sequences running at once
@@ -89,9 +87,14 @@ struct EngineStats {
   int64_t prompt_tokens = 0, generated_tokens = 0;  // totals since start
 };
 
+// The most positions one sequence may use: --context, else the model's, at most 8192.
+int64_t engine_context(const Model& model, const EngineOptions& o);
+
 class Engine {
  public:
-  Engine(const Model& model, const EngineOptions& o);
+  // Runs the sequences on `slots` (runtime/sequence_slots.h), or on the CPU when null; at most
+  // slots->slots() run at once.
+  Engine(const Model& model, const EngineOptions& o, std::unique_ptr<SequenceSlots> slots = nullptr);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -105,20 +108,23 @@ class Engine {
   void shutdown(double grace_s);
   EngineStats stats() const;
   int64_t context() const { return context_; }
+  std::string describe() const { return slots_->describe(); }  // where the sequences run
   const Model& model() const { return model_; }
 
  private:
   struct Sequence;
   void loop();
-  void step(Sequence& s);
+  // One step of every running sequence: the next prompt chunk or the last sampled token.
+  void step_all();
+  // After a step that produced the sequence's next-token logits: sample, stream, finish.
+  void emit(Sequence& s, const std::vector<float>& logits);
   // Sends the end event and frees the sequence's KV positions (`locked`: mu_ is held).
   void finish(Sequence& s, Finish f, const std::string& error = "", bool locked = false);
 
   const Model& model_;
   EngineOptions o_;
   int64_t context_;
-  ThreadPool pool_;
-  std::unique_ptr<cpu::Forward> fwd_;
+  std::unique_ptr<SequenceSlots> slots_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Sequence>> waiting_;

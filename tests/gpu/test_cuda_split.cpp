@@ -11,6 +11,7 @@
 #include "backend/cuda/allreduce.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/device_model.h"
+#include "backend/cuda/gpu_model.h"
 #include "backend/cuda/rank_group.h"
 #include "backend/cuda/session.h"
 #include "formats/json_file.h"
@@ -44,26 +45,17 @@ TEST_P(CudaSplitTest, TpAndEpOverTheGpusGiveTheCpuLogits) {
   if (n > 1 && model->config.num_experts > 0) layouts.push_back({n, n});
   for (const Layout& layout : layouts) {
     SCOPED_TRACE(layout.str());
-    cuda::RankGroup group(layout.ranks());
-    std::vector<std::unique_ptr<Model>> shards;
-    for (int r = 0; r < layout.ranks(); ++r) shards.push_back(shard_model(*model, layout, r));
-    std::vector<std::unique_ptr<cuda::DeviceModel>> parts(shards.size());
-    group.run([&](int r) { parts[size_t(r)] = cuda::DeviceModel::upload(*shards[size_t(r)]); });
-    std::vector<const cuda::DeviceModel*> ranks;
-    for (const auto& p : parts) ranks.push_back(p.get());
-    {
-      cuda::Session session(group, ranks, int(T));
-      std::vector<float> got(static_cast<size_t>(P * V)), last(static_cast<size_t>(V), NAN);
-      session.run({ref.tokens.data(), size_t(P)}, got.data(), true);
-      for (int64_t t = 0; t < P; ++t)
-        EXPECT_LE(test::rel_l2(got.data() + t * V, want.data() + t * V, V), kVsCpu) << "prefill position " << t;
-      for (int64_t t = P; t < T; ++t) {
-        std::fill(last.begin(), last.end(), NAN);
-        session.run({ref.tokens.data() + t, 1}, last.data(), false);
-        EXPECT_LE(test::rel_l2(last.data(), want.data() + t * V, V), kVsCpu) << "position " << t;
-      }
+    cuda::GpuModel on_gpus(*model, layout);
+    cuda::Session session(on_gpus, int(T));
+    std::vector<float> got(static_cast<size_t>(P * V)), last(static_cast<size_t>(V), NAN);
+    session.run({ref.tokens.data(), size_t(P)}, got.data(), true);
+    for (int64_t t = 0; t < P; ++t)
+      EXPECT_LE(test::rel_l2(got.data() + t * V, want.data() + t * V, V), kVsCpu) << "prefill position " << t;
+    for (int64_t t = P; t < T; ++t) {
+      std::fill(last.begin(), last.end(), NAN);
+      session.run({ref.tokens.data() + t, 1}, last.data(), false);
+      EXPECT_LE(test::rel_l2(last.data(), want.data() + t * V, V), kVsCpu) << "position " << t;
     }
-    group.run([&](int r) { parts[size_t(r)].reset(); });
   }
 }
 

@@ -80,6 +80,29 @@ TEST_F(EngineTest, SameTokensAloneAndInABatch) {
   EXPECT_EQ(st.generated_tokens, total);
 }
 
+// The engine over a model split across threads (the CPU twin of --tp 2 --ep 2 on two GPUs)
+// gives the unsplit engine's greedy tokens.
+TEST_F(EngineTest, SplitModelGivesTheUnsplitTokens) {
+  EngineOptions o;
+  o.max_batch = 3;
+  o.context = 32;
+  o.threads = 2;
+  std::vector<GenerationRequest> reqs;
+  for (int i = 0; i < 4; ++i) reqs.push_back(request({int32_t(3 + i), 9, int32_t(40 + 7 * i), 2}, 5));
+  auto run = [&](const Layout& l) {
+    o.layout = l;
+    Engine e(*model_, o);
+    std::vector<std::shared_ptr<RequestStream>> streams;
+    for (const auto& r : reqs) streams.push_back(e.submit(r));
+    std::vector<std::vector<int32_t>> out;
+    for (auto& s : streams) out.push_back(drain(*s).tokens);
+    return out;
+  };
+  const auto want = run({1, 1});
+  EXPECT_EQ(run({2, 2}), want);
+  EXPECT_EQ(run({2, 1}), want);
+}
+
 TEST_F(EngineTest, RefusesWhatCanNeverRun) {
   EngineOptions o;
   o.context = 16;

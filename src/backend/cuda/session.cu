@@ -1,7 +1,7 @@
 #include <algorithm>
 
 #include "backend/cuda/check.h"
-#include "backend/cuda/rank_group.h"
+#include "backend/cuda/gpu_model.h"
 #include "backend/cuda/session.h"
 
 namespace kestrel::cuda {
@@ -12,20 +12,24 @@ Session::Session(const DeviceModel& model, int max_context) : vocab_(model.confi
   streams_.push_back(own_stream_);
 }
 
-Session::Session(RankGroup& group, const std::vector<const DeviceModel*>& ranks, int max_context)
-    : group_(&group), vocab_(ranks.at(0)->config().vocab_size) {
-  if (int(ranks.size()) != group.size()) fail("internal: ", ranks.size(), " rank models for ", group.size(), " GPUs");
-  decs_.resize(ranks.size());
-  for (int r = 0; r < group.size(); ++r) streams_.push_back(group.stream(r));
-  group.run([&](int r) {
-    decs_[size_t(r)] = std::make_unique<Decoder>(*ranks[size_t(r)], kChunk, max_context, true, group.link(r));
+Session::Session(const GpuModel& model, int max_context) : gpus_(&model), vocab_(model.part(0).config().vocab_size) {
+  decs_.resize(size_t(model.ranks()));
+  streams_.resize(size_t(model.ranks()));
+  model.each_rank([&](int r) {
+    decs_[size_t(r)] = std::make_unique<Decoder>(model.part(r), kChunk, max_context, true, model.link(r));
+    if (model.group()) {
+      streams_[size_t(r)] = model.group()->stream(r);
+    } else {
+      KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&streams_[size_t(r)], cudaStreamNonBlocking));
+      own_stream_ = streams_[size_t(r)];
+    }
   });
 }
 
 Session::~Session() {
-  if (group_) {
+  if (gpus_) {
     try {
-      group_->run([&](int r) { decs_[size_t(r)].reset(); });  // each on its own GPU
+      gpus_->each_rank([&](int r) { decs_[size_t(r)].reset(); });  // each on its own GPU
     } catch (const std::exception&) {
       decs_.clear();  // a failed group: freed from here
     }
@@ -37,7 +41,7 @@ void Session::run(std::span<const int32_t> tokens, float* logits, bool all) {
   if (pos_ + int64_t(tokens.size()) > decs_[0]->max_context())
     fail("the sequence would hold ", pos_ + int64_t(tokens.size()), " tokens, more than its context of ",
          decs_[0]->max_context());
-  if (group_) group_->run([&](int r) { run_rank(r, tokens, logits, all); });
+  if (gpus_) gpus_->each_rank([&](int r) { run_rank(r, tokens, logits, all); });
   else run_rank(0, tokens, logits, all);
   pos_ += int(tokens.size());
 }

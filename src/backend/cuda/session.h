@@ -15,13 +15,13 @@
 
 namespace kestrel::cuda {
 
-class RankGroup;
+class GpuModel;
 
 class Session {
  public:
   Session(const DeviceModel& model, int max_context);
-  // Rank r's part of the model is ranks[r], on the group's GPU r.
-  Session(RankGroup& group, const std::vector<const DeviceModel*>& ranks, int max_context);
+  // A model on the GPUs, split or not.
+  Session(const GpuModel& model, int max_context);
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
@@ -38,7 +38,7 @@ class Session {
   // The steps of `tokens` on one rank's decoder; rank 0 copies the logits out.
   void run_rank(int rank, std::span<const int32_t> tokens, float* logits, bool all);
 
-  RankGroup* group_ = nullptr;
+  const GpuModel* gpus_ = nullptr;
   std::vector<std::unique_ptr<Decoder>> decs_;
   std::vector<cudaStream_t> streams_;
   cudaStream_t own_stream_ = nullptr;

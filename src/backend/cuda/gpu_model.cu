@@ -1,0 +1,44 @@
+#include "backend/cuda/gpu_model.h"
+
+#include "backend/cuda/check.h"
+#include "parallel/shard.h"
+
+namespace kestrel::cuda {
+
+GpuModel::GpuModel(const Model& m, const Layout& layout) : layout_(layout) {
+  if (!layout.split()) {
+    parts_.push_back(DeviceModel::upload(m));
+  } else {
+    group_ = std::make_unique<RankGroup>(layout.ranks());
+    std::vector<std::unique_ptr<Model>> shards;
+    for (int r = 0; r < layout.ranks(); ++r) shards.push_back(shard_model(m, layout, r));
+    parts_.resize(shards.size());
+    group_->run([&](int r) { parts_[size_t(r)] = DeviceModel::upload(*shards[size_t(r)]); });
+  }
+  cudaDeviceProp p{};
+  if (cudaGetDeviceProperties(&p, 0) == cudaSuccess) gpu_ = p.name;
+}
+
+GpuModel::~GpuModel() {
+  if (!group_) return;
+  try {
+    group_->run([&](int r) { parts_[size_t(r)].reset(); });  // each freed on its GPU
+  } catch (const std::exception&) {
+  }
+  parts_.clear();
+}
+
+void GpuModel::each_rank(const std::function<void(int)>& fn) const {
+  if (group_) {
+    group_->run(fn);
+    return;
+  }
+  KESTREL_CUDA_CHECK(cudaSetDevice(0));
+  fn(0);
+}
+
+std::string GpuModel::describe() const {
+  return layout_.split() ? std::to_string(layout_.ranks()) + " x " + gpu_ + ", " + layout_.str() : gpu_;
+}
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,37 @@
+// A loaded model on the GPUs: unsplit on GPU 0, or split by a layout over GPUs 0 .. N-1 (rank r's
+// part, parallel/shard.h, uploaded on GPU r, the ranks driven by a RankGroup).
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/device_model.h"
+#include "backend/cuda/rank_group.h"
+#include "parallel/layout.h"
+
+namespace kestrel::cuda {
+
+class GpuModel {
+ public:
+  GpuModel(const Model& m, const Layout& layout);
+  ~GpuModel();
+  GpuModel(const GpuModel&) = delete;
+  GpuModel& operator=(const GpuModel&) = delete;
+
+  int ranks() const { return int(parts_.size()); }
+  const DeviceModel& part(int rank) const { return *parts_[size_t(rank)]; }
+  RankGroup* group() const { return group_.get(); }  // null when unsplit
+  const RankLink* link(int rank) const { return group_ ? group_->link(rank) : nullptr; }
+  // Calls fn(rank) for every rank, each on its GPU (at once when split), and waits.
+  void each_rank(const std::function<void(int)>& fn) const;
+  std::string describe() const;  // "NVIDIA H200" or "2 x NVIDIA H200, TP2"
+
+ private:
+  Layout layout_;
+  std::unique_ptr<RankGroup> group_;
+  std::vector<std::unique_ptr<DeviceModel>> parts_;
+  std::string gpu_ = "GPU 0";
+};
+
+}  // namespace kestrel::cuda

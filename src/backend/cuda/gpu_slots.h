@@ -1,0 +1,40 @@
+// The engine's sequences on the GPU (runtime/sequence_slots.h): slot i is row i of one batched
+// decoder (its own KV cache region); a step runs one token for every slot in use as one CUDA
+// graph replay (per GPU when split) and copies the logits back for the host's samplers.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <vector>
+
+#include "backend/cuda/decoder.h"
+#include "backend/cuda/gpu_model.h"
+#include "runtime/sequence_slots.h"
+
+namespace kestrel::cuda {
+
+class GpuSlots final : public SequenceSlots {
+ public:
+  static constexpr int kMaxSlots = 8;  // the decode kernels' largest batch
+  GpuSlots(const GpuModel& model, int slots, int context);
+  ~GpuSlots() override;
+
+  int slots() const override { return int(used_.size()); }
+  int64_t max_chunk() const override { return 1; }
+  int open(int64_t positions) override;
+  void close(int slot) override { used_.at(size_t(slot)) = false; }
+  void run(std::span<const Job> jobs) override;
+  std::string describe() const override { return "cuda, " + model_.describe(); }
+
+ private:
+  const GpuModel& model_;
+  int context_;
+  std::vector<std::unique_ptr<Decoder>> decs_;  // per rank
+  std::vector<cudaStream_t> streams_;
+  std::vector<bool> used_;
+  std::vector<int32_t> pos_;  // next position of each slot
+  float* logits_ = nullptr;   // pinned [slots, vocab]
+  int64_t vocab_;
+};
+
+}  // namespace kestrel::cuda

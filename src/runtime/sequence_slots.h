@@ -1,0 +1,39 @@
+// Where the engine's sequences run. A slot holds one sequence's KV cache; a step runs a chunk of
+// tokens for several slots at once. The CPU runs the slots one after another, each its own
+// forward pass (a prompt in chunks); the GPU runs one token per slot, all slots in one batched
+// decode step (backend/cuda/gpu_slots.h).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/thread_pool.h"
+#include "model/weights.h"
+#include "parallel/layout.h"
+
+namespace kestrel {
+
+class SequenceSlots {
+ public:
+  virtual ~SequenceSlots() = default;
+  virtual int slots() const = 0;
+  virtual int64_t max_chunk() const = 0;  // tokens per slot and step
+  // A free slot for a sequence of up to `positions` tokens, starting at position 0.
+  virtual int open(int64_t positions) = 0;
+  virtual void close(int slot) = 0;
+
+  struct Job {
+    int slot = -1;
+    std::span<const int32_t> tokens;  // 1 .. max_chunk() tokens at the slot's next positions
+    float* logits = nullptr;          // receives the last token's logits [vocab] unless null
+  };
+  virtual void run(std::span<const Job> jobs) = 0;
+  virtual std::string describe() const = 0;  // "cpu, 2 threads" or "cuda, ..."
+};
+
+// The CPU reference backend: `slots` sequences, each with its own KV cache.
+std::unique_ptr<SequenceSlots> make_cpu_slots(const Model& model, int slots, int threads, const Layout& layout);
+
+}  // namespace kestrel
