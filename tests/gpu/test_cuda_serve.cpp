@@ -1,4 +1,5 @@
 // The server's engine on the GPU: requests decoding side by side in one batched step per token
+// and prefilling 8 prompt tokens per step in their own slots
 // (backend/cuda/gpu_slots.h), unsplit and split over every GPU, give the tokens the CPU engine
 // gives each of them.
 #include <gtest/gtest.h>
@@ -26,7 +27,7 @@ std::vector<GenerationRequest> requests() {
   std::vector<GenerationRequest> rs;
   for (int i = 0; i < 6; ++i) {
     GenerationRequest r;
-    for (int t = 0; t < 3 + 2 * i; ++t) r.prompt.push_back(int32_t((17 * i + 5 * t + 1) % 256));
+    for (int t = 0; t < 3 + 5 * i; ++t) r.prompt.push_back(int32_t((17 * i + 5 * t + 1) % 256));
     r.max_tokens = 6 + i;
     r.ignore_eos = true;
     if (i % 2) {  // seeded sampling on the host, from the GPU's logits

@@ -44,8 +44,12 @@ T* Decoder::buffer(size_t n) {
   return static_cast<T*>(p);
 }
 
-Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool one_sequence, const RankLink* link)
+Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool one_sequence, const RankLink* link,
+                 const Decoder* kv_of, int kv_slot)
     : m_(model), max_batch_(max_batch), max_context_(max_context), one_sequence_(one_sequence), link_(link) {
+  if (kv_of && (!one_sequence || &kv_of->m_ != &model || kv_of->max_context_ != max_context || kv_of->one_sequence_ ||
+                kv_slot < 0 || kv_slot >= kv_of->max_batch_))
+    fail("internal: a decoder borrowing a KV cache must be one sequence's, of the same model and context, slot in range");
   const ModelConfig& c = m_.config();
   const size_t B = size_t(max_batch), H = size_t(c.hidden_size), hd = size_t(c.head_dim);
   const size_t nq = size_t(c.num_heads), nkv = size_t(c.num_kv_heads);
@@ -63,15 +67,17 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
     mla_.att = buffer<float>(B * nq * size_t(m.kv_lora_rank));
     mla_.v = buffer<float>(B * nq * size_t(m.v_head_dim));
     att_scratch_ = buffer<float>(attention_scratch_floats(max_batch, int(nq), int(m.kv_lora_rank), split_));
-    kv_k_ = buffer<float>(seqs * layers * ctx * lat);  // the latent rows; v reads the same rows
-    kv_v_ = kv_k_;
+    const size_t per_seq = layers * ctx * lat;
+    kv_k_ = kv_of ? kv_of->kv_k_ + kv_slot * per_seq : buffer<float>(seqs * per_seq);  // the latent rows
+    kv_v_ = kv_k_;  // v reads the same rows
     if (c.indexer.enabled()) {
       const IndexerConfig& ix = c.indexer;
       mla_.iq = buffer<float>(B * size_t(ix.heads * ix.head_dim));
       mla_.ik = buffer<float>(B * size_t(ix.head_dim));
       mla_.iw = buffer<float>(B * size_t(ix.heads));
       mla_.scores = buffer<float>(B * ctx);
-      mla_.index_cache = buffer<float>(seqs * layers * ctx * size_t(ix.head_dim));
+      const size_t index_per_seq = layers * ctx * size_t(ix.head_dim);
+      mla_.index_cache = kv_of ? kv_of->mla_.index_cache + kv_slot * index_per_seq : buffer<float>(seqs * index_per_seq);
       mla_.select = buffer<int32_t>(B * size_t(ix.topk));
       mla_.select_count = buffer<int32_t>(B);
     }
@@ -81,8 +87,9 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
     v_ = buffer<float>(B * nkv * hd);
     att_ = buffer<float>(B * nq * hd);
     att_scratch_ = buffer<float>(attention_scratch_floats(max_batch, int(nq), int(hd), split_));
-    kv_k_ = buffer<float>(seqs * layers * ctx * nkv * hd);
-    kv_v_ = buffer<float>(seqs * layers * ctx * nkv * hd);
+    const size_t per_seq = layers * ctx * nkv * hd;
+    kv_k_ = kv_of ? kv_of->kv_k_ + kv_slot * per_seq : buffer<float>(seqs * per_seq);
+    kv_v_ = kv_of ? kv_of->kv_v_ + kv_slot * per_seq : buffer<float>(seqs * per_seq);
   }
   act_ = buffer<float>(B * size_t(std::max<int64_t>(c.intermediate_size, 1)));
   logits_ = buffer<float>(B * size_t(c.vocab_size));

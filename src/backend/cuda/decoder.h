@@ -33,8 +33,10 @@ class Decoder {
   // each row is its own sequence with its own cache.
   // With `link`, the model is one rank's part (parallel/shard.h): the attention and FFN outputs
   // are partial sums reduced across the ranks, and the logits gathered from their shares.
+  // With `kv_of`, a one-sequence decoder works in sequence `kv_slot`'s KV cache of that batch
+  // decoder (prefill of one sequence of a batch, 8 positions per step) instead of its own.
   Decoder(const DeviceModel& model, int max_batch, int max_context, bool one_sequence = false,
-          const RankLink* link = nullptr);
+          const RankLink* link = nullptr, const Decoder* kv_of = nullptr, int kv_slot = 0);
   ~Decoder();
   Decoder(const Decoder&) = delete;
   Decoder& operator=(const Decoder&) = delete;

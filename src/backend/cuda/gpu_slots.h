@@ -1,6 +1,8 @@
 // The engine's sequences on the GPU (runtime/sequence_slots.h): slot i is row i of one batched
-// decoder (its own KV cache region); a step runs one token for every slot in use as one CUDA
-// graph replay (per GPU when split) and copies the logits back for the host's samplers.
+// decoder (its own KV cache region); a step runs one token for every slot that decodes as one
+// CUDA graph replay (per GPU when split), and up to 8 prompt tokens for every slot that
+// prefills (a one-sequence decoder working in the slot's KV cache), then copies the logits back
+// for the host's samplers.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -20,7 +22,8 @@ class GpuSlots final : public SequenceSlots {
   ~GpuSlots() override;
 
   int slots() const override { return int(used_.size()); }
-  int64_t max_chunk() const override { return 1; }
+  static constexpr int kPrefillChunk = 8;  // positions per prefill step
+  int64_t max_chunk() const override { return kPrefillChunk; }
   int open(int64_t positions) override;
   void close(int slot) override { used_.at(size_t(slot)) = false; }
   void run(std::span<const Job> jobs) override;
@@ -30,6 +33,7 @@ class GpuSlots final : public SequenceSlots {
   const GpuModel& model_;
   int context_;
   std::vector<std::unique_ptr<Decoder>> decs_;  // per rank
+  std::vector<std::vector<std::unique_ptr<Decoder>>> prefill_;  // per rank and slot, made on first use
   std::vector<cudaStream_t> streams_;
   std::vector<bool> used_;
   std::vector<int32_t> pos_;  // next position of each slot
