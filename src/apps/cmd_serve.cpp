@@ -15,7 +15,9 @@
 #include "apps/runner.h"
 #include "common/error.h"
 #include "model/weights.h"
+#include "backend/cpu/forward.h"
 #include "runtime/engine.h"
+#include "runtime/kv_cache.h"
 #include "server/http_server.h"
 #include "text/gguf_tokenizer.h"
 #include "text/model_chat.h"
@@ -34,12 +36,40 @@ constexpr int kMaxGpuBatch = 8;  // cuda::GpuSlots::kMaxSlots: the decode kernel
 struct Options {
   std::string model, host = "127.0.0.1", api_key, name;
   int port = 8000, max_batch = 16, threads = 0;
-  int64_t context = 0, kv_tokens = 0;
+  int64_t context = 0, kv_tokens = 0, kv_blocks = 0;
+  std::string kv_memory;
   double grace = 10.0;
   Progress progress = Progress::Auto;
   std::string quant = "none", device = "auto";
   Layout layout;
 };
+
+// --kv-tokens, --kv-blocks or --kv-memory (at most one) as KV positions; 0: the engine's default.
+int64_t kv_positions(const Options& o, const ModelConfig& c) {
+  if ((o.kv_tokens > 0) + (o.kv_blocks > 0) + !o.kv_memory.empty() > 1)
+    fail("--kv-tokens, --kv-blocks, --kv-memory: give at most one");
+  if (o.kv_tokens < 0 || o.kv_blocks < 0) fail("--kv-tokens/--kv-blocks: must be positive");
+  if (o.kv_blocks > 0) return o.kv_blocks * KvBlockPool::kBlock;
+  if (o.kv_memory.empty()) return o.kv_tokens;
+  const std::string& m = o.kv_memory;
+  size_t end = 0;
+  double bytes = 0;
+  try {
+    bytes = std::stod(m, &end);
+  } catch (const std::exception&) {
+    fail("--kv-memory: '", m, "' is not a size (e.g. 512M, 8G)");
+  }
+  const std::string unit = m.substr(end);
+  if (unit == "K" || unit == "k") bytes *= 1024.0;
+  else if (unit == "M" || unit == "m") bytes *= 1024.0 * 1024;
+  else if (unit == "G" || unit == "g") bytes *= 1024.0 * 1024 * 1024;
+  else if (!unit.empty()) fail("--kv-memory: unknown unit '", unit, "' (K, M or G)");
+  const KvBlockPool probe(c.num_layers, cpu::kv_layout_of(c), 0);
+  const int64_t blocks = int64_t(bytes / double(probe.block_bytes()));
+  if (blocks < 1)
+    fail("--kv-memory ", m, ": less than one block of ", KvBlockPool::kBlock, " positions (", probe.block_bytes(), " bytes)");
+  return blocks * KvBlockPool::kBlock;
+}
 
 #ifdef KESTREL_HAVE_CUDA
 bool gpu_present() {
@@ -60,6 +90,8 @@ Run add_serve(CLI::App& app) {
   app.add_option("--max-batch", o->max_batch, "Sequences running at once (default 16)");
   app.add_option("--context", o->context, "Most positions per sequence (default: the model's, at most 8192)");
   app.add_option("--kv-tokens", o->kv_tokens, "KV cache positions shared by all sequences (default 32 x context)");
+  app.add_option("--kv-blocks", o->kv_blocks, "The same in blocks of 16 positions");
+  app.add_option("--kv-memory", o->kv_memory, "The same as memory: bytes, or with K, M, G (e.g. 8G)");
   app.add_option("--grace", o->grace, "Seconds running requests get to finish on SIGINT/SIGTERM (default 10)");
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   add_progress_flag(app, o->progress);
@@ -92,7 +124,7 @@ Run add_serve(CLI::App& app) {
     EngineOptions eo;
     eo.max_batch = o->max_batch;
     eo.context = o->context;
-    eo.kv_tokens = o->kv_tokens;
+    eo.kv_tokens = kv_positions(*o, model->config);
     eo.threads = o->threads;
     eo.layout = o->layout;
     check_layout(eo.layout, long(model->config.num_experts));

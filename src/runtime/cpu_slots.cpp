@@ -10,8 +10,11 @@ namespace {
 
 class CpuSlots final : public SequenceSlots {
  public:
-  CpuSlots(const Model& m, int slots, int threads, const Layout& layout)
-      : pool_(threads), fwd_(m, pool_, layout), caches_(size_t(slots)), vocab_(m.config.vocab_size), layout_(layout) {}
+  CpuSlots(const Model& m, int slots, int threads, const Layout& layout, int64_t kv_positions)
+      : pool_(threads), fwd_(m, pool_, layout), caches_(size_t(slots)), vocab_(m.config.vocab_size), layout_(layout) {
+    if (!fwd_.split())
+      blocks_ = std::make_shared<KvBlockPool>(m.config.num_layers, fwd_.kv_layout(), KvBlockPool::blocks_for(kv_positions));
+  }
 
   int slots() const override { return int(caches_.size()); }
   int64_t max_chunk() const override { return INT64_MAX; }
@@ -19,7 +22,8 @@ class CpuSlots final : public SequenceSlots {
   int open(int64_t positions) override {
     for (size_t i = 0; i < caches_.size(); ++i)
       if (!caches_[i]) {
-        caches_[i] = std::make_unique<KvCache>(fwd_.make_cache(positions));
+        caches_[i] = blocks_ ? std::make_unique<KvCache>(blocks_, positions)
+                             : std::make_unique<KvCache>(fwd_.make_cache(positions));
         return int(i);
       }
     fail("internal: no free sequence slot of ", caches_.size());
@@ -46,6 +50,7 @@ class CpuSlots final : public SequenceSlots {
  private:
   ThreadPool pool_;
   cpu::Forward fwd_;
+  std::shared_ptr<KvBlockPool> blocks_;  // shared by the sequences' caches (unsplit models)
   std::vector<std::unique_ptr<KvCache>> caches_;
   int64_t vocab_;
   Layout layout_;
@@ -54,8 +59,9 @@ class CpuSlots final : public SequenceSlots {
 
 }  // namespace
 
-std::unique_ptr<SequenceSlots> make_cpu_slots(const Model& model, int slots, int threads, const Layout& layout) {
-  return std::make_unique<CpuSlots>(model, slots, threads, layout);
+std::unique_ptr<SequenceSlots> make_cpu_slots(const Model& model, int slots, int threads, const Layout& layout,
+                                              int64_t kv_positions) {
+  return std::make_unique<CpuSlots>(model, slots, threads, layout, kv_positions);
 }
 
 }  // namespace kestrel

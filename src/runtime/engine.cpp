@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "common/error.h"
+#include "runtime/kv_cache.h"
 #include "runtime/sequence_slots.h"
 
 namespace kestrel {
@@ -36,7 +37,8 @@ struct Engine::Sequence {
   std::vector<int32_t> history;  // prompt, then the generated tokens
   size_t prefilled = 0;          // prompt tokens already run
   int generated = 0;
-  int64_t reserved = 0;          // KV positions held
+  int64_t positions = 0;         // prompt + max_tokens
+  int64_t reserved = 0;          // KV positions held: positions in whole blocks
   bool admitted = false;         // counted in kv_used_
   bool done = false;             // the end event was sent
 };
@@ -56,7 +58,8 @@ Engine::Engine(const Model& model, const EngineOptions& o, std::unique_ptr<Seque
   if (o_.prefill_chunk < 1) fail("prefill chunk must be at least 1, got ", o_.prefill_chunk);
   context_ = engine_context(model, o_);
   if (o_.kv_tokens <= 0) o_.kv_tokens = 32 * context_;
-  if (!slots_) slots_ = make_cpu_slots(model, o_.max_batch, o_.threads, o_.layout);
+  o_.kv_tokens = std::max<int64_t>(1, o_.kv_tokens / KvBlockPool::kBlock) * KvBlockPool::kBlock;  // whole blocks
+  if (!slots_) slots_ = make_cpu_slots(model, o_.max_batch, o_.threads, o_.layout, o_.kv_tokens);
   if (slots_->slots() < o_.max_batch)
     fail("--max-batch ", o_.max_batch, ": ", slots_->describe(), " runs at most ", slots_->slots(), " sequences at once");
   thread_ = std::thread([this] { loop(); });
@@ -75,12 +78,15 @@ std::shared_ptr<RequestStream> Engine::submit(GenerationRequest r) {
   if (need > context_)
     fail("the prompt has ", r.prompt.size(), " tokens and max_tokens is ", r.max_tokens, ": ", need,
          " positions, more than the context of ", context_);
-  if (need > o_.kv_tokens)
-    fail("the request needs ", need, " KV positions; the server holds ", o_.kv_tokens, " in all");
+  const int64_t reserve = KvBlockPool::blocks_for(need) * KvBlockPool::kBlock;
+  if (reserve > o_.kv_tokens)
+    fail("the request needs ", need, " KV positions (", reserve, " in blocks of ", KvBlockPool::kBlock,
+         "); the server holds ", o_.kv_tokens, " in all");
   auto s = std::make_unique<Sequence>();
   s->req = std::move(r);
   s->stream = std::make_shared<RequestStream>();
-  s->reserved = need;
+  s->positions = need;
+  s->reserved = reserve;
   auto stream = s->stream;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -159,7 +165,7 @@ void Engine::step_all() {
           finish(s, Finish::Length);
           continue;
         }
-        s.slot = slots_->open(s.reserved);
+        s.slot = slots_->open(s.positions);
         s.sampler = std::make_unique<Sampler>(s.req.sampling);
         s.history = s.req.prompt;
         std::lock_guard<std::mutex> lock(mu_);

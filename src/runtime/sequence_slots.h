@@ -33,7 +33,9 @@ class SequenceSlots {
   virtual std::string describe() const = 0;  // "cpu, 2 threads" or "cuda, ..."
 };
 
-// The CPU reference backend: `slots` sequences, each with its own KV cache.
-std::unique_ptr<SequenceSlots> make_cpu_slots(const Model& model, int slots, int threads, const Layout& layout);
+// The CPU reference backend: `slots` sequences whose KV caches share a pool of kv_positions
+// positions in blocks (kv_cache.h; a split model's ranks give each sequence caches of its own).
+std::unique_ptr<SequenceSlots> make_cpu_slots(const Model& model, int slots, int threads, const Layout& layout,
+                                              int64_t kv_positions);
 
 }  // namespace kestrel

@@ -105,14 +105,14 @@ TEST_F(EngineTest, SplitModelGivesTheUnsplitTokens) {
 
 TEST_F(EngineTest, RefusesWhatCanNeverRun) {
   EngineOptions o;
-  o.context = 16;
-  o.kv_tokens = 12;
+  o.context = 32;
+  o.kv_tokens = 16;  // one block of 16 positions
   o.threads = 1;
   Engine e(*model_, o);
   EXPECT_THROW(e.submit(request({}, 4)), Error);                              // empty prompt
   EXPECT_THROW(e.submit(request({1, int32_t(model_->config.vocab_size)}, 4)), Error);  // token id
-  EXPECT_THROW(e.submit(request({1, 2, 3}, 14)), Error);                      // past the context
-  EXPECT_THROW(e.submit(request({1, 2, 3}, 10)), Error);                      // more than the KV cache
+  EXPECT_THROW(e.submit(request({1, 2, 3}, 30)), Error);                      // past the context
+  EXPECT_THROW(e.submit(request({1, 2, 3}, 14)), Error);                      // more than the KV cache (2 blocks)
   EXPECT_THROW(e.submit(request({1, 2}, -1)), Error);
   const Result r = drain(*e.submit(request({1, 2}, 0)));
   EXPECT_TRUE(r.tokens.empty());
@@ -122,7 +122,7 @@ TEST_F(EngineTest, RefusesWhatCanNeverRun) {
 TEST_F(EngineTest, WaitsForRoomThenRuns) {
   EngineOptions o;
   o.context = 32;
-  o.kv_tokens = 20;  // one request of 3 + 12 at a time
+  o.kv_tokens = 20;  // one block of 16 positions: one request of 3 + 12 at a time
   o.threads = 1;
   Engine e(*model_, o);
   auto a = e.submit(request({1, 2, 3}, 12));

@@ -74,13 +74,22 @@ KvCache Forward::make_cache(int64_t capacity) const {
     for (const auto& r : split_->ranks) ranks.push_back(r->make_cache(capacity));
     return KvCache(std::move(ranks));
   }
-  if (!c_.is_mla()) return KvCache(c_.num_layers, c_.num_kv_heads, c_.head_dim, capacity);
-  KvLayout layout{c_.mla.latent(), 0, 0, {}};
-  if (c_.indexer.enabled()) {
-    layout.index_row = c_.indexer.head_dim;
-    layout.index_layer = c_.indexer.own;
+  return KvCache(c_.num_layers, kv_layout(), capacity);
+}
+
+KvLayout Forward::kv_layout() const {
+  if (split_) fail("internal: a split model's KV layout differs per rank");
+  return kv_layout_of(c_);
+}
+
+KvLayout kv_layout_of(const ModelConfig& c) {
+  if (!c.is_mla()) return KvLayout{c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim, 0, {}};
+  KvLayout layout{c.mla.latent(), 0, 0, {}};
+  if (c.indexer.enabled()) {
+    layout.index_row = c.indexer.head_dim;
+    layout.index_layer = c.indexer.own;
   }
-  return KvCache(c_.num_layers, layout, capacity);
+  return layout;
 }
 
 void Forward::gqa_attention(const LayerWeights& L, int64_t l, const float* xn, int64_t T, int64_t start,
@@ -110,7 +119,7 @@ void Forward::run(std::span<const int32_t> tokens, KvCache& cache, float* logits
   if (!split_) return run_rank(tokens, cache, logits);
   const int64_t T = int64_t(tokens.size()), start = cache.length();
   if (T == 0) return;
-  cache.check_room(T);
+  cache.reserve(T);
   check_tokens(tokens, c_.vocab_size);
   const size_t n = split_->ranks.size();
   std::vector<std::exception_ptr> errors(n);
@@ -170,7 +179,7 @@ void Forward::gather_logits(const float* local, int64_t T, float* logits) {
 void Forward::run_rank(std::span<const int32_t> tokens, KvCache& cache, float* logits) {
   const int64_t T = int64_t(tokens.size()), H = c_.hidden_size, start = cache.length();
   if (T == 0) return;
-  cache.check_room(T);
+  cache.reserve(T);
   check_tokens(tokens, c_.vocab_size);
   const ModelWeights& w = model_.weights;
 

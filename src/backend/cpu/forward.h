@@ -16,6 +16,9 @@
 
 namespace kestrel::cpu {
 
+// What the KV cache holds per position and layer for a model of this configuration.
+KvLayout kv_layout_of(const ModelConfig& c);
+
 class Forward {
  public:
   // A split `layout` runs the model's ranks (parallel/shard.h) on threads of their own that talk
@@ -25,6 +28,9 @@ class Forward {
 
   // A KV cache sized for this model (one per rank when split).
   KvCache make_cache(int64_t capacity) const;
+  // What a position holds per layer (unsplit models: the layout of a shared KvBlockPool).
+  KvLayout kv_layout() const;
+  bool split() const { return split_ != nullptr; }
 
   // Runs `tokens` at the positions after those already in `cache` (all at once: the prefill
   // path; one at a time: the decode path), appends their keys and values, and writes the logits
