@@ -334,6 +334,7 @@ TEST(CudaOps, QkRopeAttentionMatchCpu) {
     for (int b = 0; b < B; ++b) {
       caches.emplace_back(1, cs.nkv, cs.hd, cap);
       KvCache& c = caches.back();
+      c.reserve(cap);  // every position is written below
       for (int p = 0; p < pos[size_t(b)]; ++p) {
         const auto hk = test::random_floats(row, rng), hv = test::random_floats(row, rng);
         std::copy(hk.begin(), hk.end(), c.k(0, p));
