@@ -71,12 +71,7 @@ int64_t kv_positions(const Options& o, const ModelConfig& c) {
   return blocks * KvBlockPool::kBlock;
 }
 
-#ifdef KESTREL_HAVE_CUDA
-bool gpu_present() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-#endif
+
 
 }  // namespace
 

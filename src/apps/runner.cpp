@@ -63,13 +63,18 @@ class CudaRunner final : public Runner {
   std::unique_ptr<cuda::Session> session_;
 };
 
-bool gpu_present() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
 #endif
 
 }  // namespace
+
+bool gpu_present() {
+#ifdef KESTREL_HAVE_CUDA
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+#else
+  return false;
+#endif
+}
 
 void check_device_option(const std::string& device) {
   if (device != "auto" && device != "cpu" && device != "cuda")

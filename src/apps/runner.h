@@ -33,5 +33,7 @@ class Runner {
 
 // The --device option's check, shared by the commands.
 void check_device_option(const std::string& device);
+// Whether this build has CUDA and a CUDA GPU is visible.
+bool gpu_present();
 
 }  // namespace kestrel::apps
