@@ -28,6 +28,9 @@ Run add_perplexity(CLI::App& app);
 #ifdef KESTREL_HAVE_SERVER
 Run add_serve(CLI::App& app);
 #endif
+#ifdef KESTREL_HAVE_LOADGEN
+Run add_loadgen(CLI::App& app);
+#endif
 #ifdef KESTREL_HAVE_CUDA
 Run add_bench(CLI::App& app);
 Run add_profile(CLI::App& app);

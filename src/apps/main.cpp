@@ -21,6 +21,10 @@ int main(int argc, char** argv) {
 #ifdef KESTREL_HAVE_SERVER
   add("serve", "Serve the model over an OpenAI-compatible HTTP API", kestrel::apps::add_serve);
 #endif
+#ifdef KESTREL_HAVE_LOADGEN
+  add("loadgen", "Benchmark an OpenAI-compatible server with concurrent streaming requests (TTFT, ITL, tokens/s)",
+      kestrel::apps::add_loadgen);
+#endif
   add("quantize", "Write a BF16 Hugging Face folder or a GGUF file as an NVFP4 (ModelOpt) checkpoint",
       kestrel::apps::add_quantize);
   add("perplexity", "Perplexity over a text, and KL divergence and top-1 agreement against a reference model",
