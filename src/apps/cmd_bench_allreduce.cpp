@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "apps/commands.h"
+#include "apps/model_options.h"
 #include "backend/cuda/allreduce.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/nccl_comm.h"
@@ -29,24 +30,13 @@ struct Options {
   std::string json;
 };
 
-// "4K,16K,1M": bytes, K = 1024 and M = 1024 K.
+// "4K,16K,1M": bytes (parse_size: K = 1024, M = 1024 K).
 std::vector<int64_t> parse_sizes(const std::string& s) {
   std::vector<int64_t> v;
   std::stringstream in(s);
   std::string item;
   while (std::getline(in, item, ',')) {
-    int64_t mult = 1;
-    std::string num = item;
-    if (!num.empty() && (num.back() == 'K' || num.back() == 'k')) mult = 1024, num.pop_back();
-    else if (!num.empty() && (num.back() == 'M' || num.back() == 'm')) mult = 1024 * 1024, num.pop_back();
-    size_t used = 0;
-    int64_t b = 0;
-    try {
-      b = std::stoll(num, &used) * mult;
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used == 0 || used != num.size() || b <= 0) fail("--sizes: '", item, "' is not a size (e.g. 4096, 16K, 1M)");
+    const int64_t b = int64_t(parse_size(item, "--sizes"));
     if (b % 4) fail("--sizes: ", item, " is not a whole number of floats (4 bytes each)");
     v.push_back(b);
   }

@@ -38,28 +38,6 @@ struct Options {
   int threads = 0;
 };
 
-// "5GB", "500MB", "64KiB", "1000000" (bytes; decimal and binary units).
-uint64_t parse_size(const std::string& s) {
-  size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(s, &used);
-  } catch (const std::exception&) {
-    fail("--shard-size: '", s, "' is not a size (e.g. 5GB, 500MB, 1000000)");
-  }
-  std::string unit = s.substr(used);
-  std::transform(unit.begin(), unit.end(), unit.begin(), [](unsigned char c) { return char(std::toupper(c)); });
-  static const std::pair<const char*, double> units[] = {{"", 1},         {"B", 1},           {"KB", 1e3},
-                                                         {"MB", 1e6},     {"GB", 1e9},        {"KIB", 1024.0},
-                                                         {"MIB", 1048576.0}, {"GIB", 1073741824.0}};
-  for (const auto& [name, mult] : units)
-    if (unit == name) {
-      if (!(v * mult >= 1)) fail("--shard-size: '", s, "' must be at least one byte");
-      return uint64_t(v * mult);
-    }
-  fail("--shard-size: unknown unit in '", s, "' (B, KB, MB, GB, KiB, MiB, GiB)");
-}
-
 // The files beside the weights that describe how to use them: tokenizer, chat template,
 // generation settings, license. Model cards and anything else are left behind.
 bool is_side_file(const std::string& name) {
@@ -159,7 +137,7 @@ Run add_quantize(CLI::App& app) {
     const bool nvfp4 = o->format == "nvfp4";
     if (!nvfp4 && (!o->calib.empty() || !o->calib_tokens.empty() || !o->exclude.empty()))
       fail("--format bf16 quantizes nothing: --calib, --calib-tokens and --exclude do not apply");
-    const uint64_t shard_bytes = parse_size(o->shard_size);
+    const uint64_t shard_bytes = parse_size(o->shard_size, "--shard-size");
     if (!fs::exists(o->model)) fail(o->model, ": no such file or folder");
     std::error_code ec;
     if (fs::exists(o->out) && fs::equivalent(o->model, o->out, ec))

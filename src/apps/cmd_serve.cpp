@@ -51,23 +51,11 @@ int64_t kv_positions(const Options& o, const ModelConfig& c) {
   if (o.kv_tokens < 0 || o.kv_blocks < 0) fail("--kv-tokens/--kv-blocks: must be positive");
   if (o.kv_blocks > 0) return o.kv_blocks * KvBlockPool::kBlock;
   if (o.kv_memory.empty()) return o.kv_tokens;
-  const std::string& m = o.kv_memory;
-  size_t end = 0;
-  double bytes = 0;
-  try {
-    bytes = std::stod(m, &end);
-  } catch (const std::exception&) {
-    fail("--kv-memory: '", m, "' is not a size (e.g. 512M, 8G)");
-  }
-  const std::string unit = m.substr(end);
-  if (unit == "K" || unit == "k") bytes *= 1024.0;
-  else if (unit == "M" || unit == "m") bytes *= 1024.0 * 1024;
-  else if (unit == "G" || unit == "g") bytes *= 1024.0 * 1024 * 1024;
-  else if (!unit.empty()) fail("--kv-memory: unknown unit '", unit, "' (K, M or G)");
+  const double bytes = double(parse_size(o.kv_memory, "--kv-memory"));
   const KvBlockPool probe(c.num_layers, cpu::kv_layout_of(c), 0);
   const int64_t blocks = int64_t(bytes / double(probe.block_bytes()));
   if (blocks < 1)
-    fail("--kv-memory ", m, ": less than one block of ", KvBlockPool::kBlock, " positions (", probe.block_bytes(), " bytes)");
+    fail("--kv-memory ", o.kv_memory, ": less than one block of ", KvBlockPool::kBlock, " positions (", probe.block_bytes(), " bytes)");
   return blocks * KvBlockPool::kBlock;
 }
 
@@ -86,7 +74,7 @@ Run add_serve(CLI::App& app) {
   app.add_option("--context", o->context, "Most positions per sequence (default: the model's, at most 8192)");
   app.add_option("--kv-tokens", o->kv_tokens, "KV cache positions shared by all sequences (default 32 x context)");
   app.add_option("--kv-blocks", o->kv_blocks, "The same in blocks of 16 positions");
-  app.add_option("--kv-memory", o->kv_memory, "The same as memory: bytes, or with K, M, G (e.g. 8G)");
+  app.add_option("--kv-memory", o->kv_memory, "The same as memory (e.g. 8GiB, 512MB)");
   app.add_option("--grace", o->grace, "Seconds running requests get to finish on SIGINT/SIGTERM (default 10)");
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   add_progress_flag(app, o->progress);

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include "apps/model_options.h"
 
 #include <cstdio>
@@ -28,6 +29,28 @@ std::vector<int32_t> parse_token_ids(const std::string& s, const std::string& op
   }
   if (out.empty()) fail(option, ": no token ids given");
   return out;
+}
+
+uint64_t parse_size(const std::string& s, const std::string& option) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &used);
+  } catch (const std::exception&) {
+    fail(option, ": '", s, "' is not a size (e.g. 5GB, 500MB, 16K, 1000000)");
+  }
+  std::string unit = s.substr(used);
+  std::transform(unit.begin(), unit.end(), unit.begin(), [](unsigned char c) { return char(std::toupper(c)); });
+  static const std::pair<const char*, double> units[] = {
+      {"", 1},         {"B", 1},           {"KB", 1e3},          {"MB", 1e6},    {"GB", 1e9},
+      {"KIB", 1024.0}, {"MIB", 1048576.0}, {"GIB", 1073741824.0}, {"K", 1024.0}, {"M", 1048576.0},
+      {"G", 1073741824.0}};
+  for (const auto& [name, mult] : units)
+    if (unit == name) {
+      if (!(v * mult >= 1)) fail(option, ": '", s, "' must be at least one byte");
+      return uint64_t(v * mult);
+    }
+  fail(option, ": unknown unit in '", s, "' (B, KB, MB, GB, KiB, MiB, GiB; K, M, G are binary)");
 }
 
 void add_quant_option(CLI::App& app, std::string& quant) {

@@ -16,6 +16,9 @@ namespace kestrel::apps {
 // Comma-separated non-negative token ids ("1,2,3"); errors name `option`.
 std::vector<int32_t> parse_token_ids(const std::string& s, const std::string& option);
 
+// A size in bytes: "5GB", "500MB", "64KiB", "16K" (K, M, G: binary), "1000000"; errors name `option`.
+uint64_t parse_size(const std::string& s, const std::string& option);
+
 // --quant none|nvfp4 (default none).
 void add_quant_option(CLI::App& app, std::string& quant);
 void check_quant_option(const std::string& quant);

@@ -8,6 +8,7 @@ namespace kestrel::cuda {
 GpuModel::GpuModel(const Model& m, const Layout& layout) : layout_(layout) {
   if (!layout.split()) {
     parts_.push_back(DeviceModel::upload(m));
+    KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   } else {
     group_ = std::make_unique<RankGroup>(layout.ranks());
     std::vector<std::unique_ptr<Model>> shards;
@@ -20,6 +21,7 @@ GpuModel::GpuModel(const Model& m, const Layout& layout) : layout_(layout) {
 }
 
 GpuModel::~GpuModel() {
+  if (stream_) cudaStreamDestroy(stream_);
   if (!group_) return;
   try {
     group_->run([&](int r) { parts_[size_t(r)].reset(); });  // each freed on its GPU

@@ -23,6 +23,8 @@ class GpuModel {
   const DeviceModel& part(int rank) const { return *parts_[size_t(rank)]; }
   RankGroup* group() const { return group_.get(); }  // null when unsplit
   const RankLink* link(int rank) const { return group_ ? group_->link(rank) : nullptr; }
+  // The stream rank r's work goes on (the group's when split).
+  cudaStream_t stream(int rank) const { return group_ ? group_->stream(rank) : stream_; }
   // Calls fn(rank) for every rank, each on its GPU (at once when split), and waits.
   void each_rank(const std::function<void(int)>& fn) const;
   std::string describe() const;  // "NVIDIA H200" or "2 x NVIDIA H200, TP2"
@@ -32,6 +34,7 @@ class GpuModel {
   std::unique_ptr<RankGroup> group_;
   std::vector<std::unique_ptr<DeviceModel>> parts_;
   std::string gpu_ = "GPU 0";
+  cudaStream_t stream_ = nullptr;  // unsplit
 };
 
 }  // namespace kestrel::cuda

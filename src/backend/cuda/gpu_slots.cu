@@ -14,14 +14,8 @@ GpuSlots::GpuSlots(const GpuModel& model, int slots, int context)
   decs_.resize(size_t(model.ranks()));
   prefill_.resize(size_t(model.ranks()));
   for (auto& p : prefill_) p.resize(size_t(slots));
-  streams_.resize(size_t(model.ranks()));
   model.each_rank([&](int r) {
     decs_[size_t(r)] = std::make_unique<Decoder>(model.part(r), slots, context, false, model.link(r));
-    if (model.group()) {
-      streams_[size_t(r)] = model.group()->stream(r);
-    } else {
-      KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&streams_[size_t(r)], cudaStreamNonBlocking));
-    }
   });
   KESTREL_CUDA_CHECK(cudaSetDevice(0));
   KESTREL_CUDA_CHECK(cudaMallocHost(&logits_, size_t(slots) * size_t(vocab_) * 4));
@@ -32,7 +26,6 @@ GpuSlots::~GpuSlots() {
     model_.each_rank([&](int r) {
       prefill_[size_t(r)].clear();
       decs_[size_t(r)].reset();
-      if (!model_.group()) cudaStreamDestroy(streams_[size_t(r)]);
     });
   } catch (const std::exception&) {
   }
@@ -75,7 +68,7 @@ void GpuSlots::run(std::span<const Job> jobs) {
     if (j.tokens.size() == 1) tokens[size_t(j.slot)] = j.tokens[0];
   const size_t V = size_t(vocab_);
   model_.each_rank([&](int r) {
-    const cudaStream_t s = streams_[size_t(r)];
+    const cudaStream_t s = model_.stream(r);
     for (const Job* j : prefill) {  // every rank runs the same steps in the same order
       std::unique_ptr<Decoder>& p = prefill_[size_t(r)][size_t(j->slot)];
       if (!p) p = std::make_unique<Decoder>(model_.part(r), kPrefillChunk, context_, true, model_.link(r),

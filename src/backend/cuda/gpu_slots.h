@@ -34,7 +34,6 @@ class GpuSlots final : public SequenceSlots {
   int context_;
   std::vector<std::unique_ptr<Decoder>> decs_;  // per rank
   std::vector<std::vector<std::unique_ptr<Decoder>>> prefill_;  // per rank and slot, made on first use
-  std::vector<cudaStream_t> streams_;
   std::vector<bool> used_;
   std::vector<int32_t> pos_;  // next position of each slot
   float* logits_ = nullptr;   // pinned [slots, vocab]

@@ -14,15 +14,9 @@ Session::Session(const DeviceModel& model, int max_context) : vocab_(model.confi
 
 Session::Session(const GpuModel& model, int max_context) : gpus_(&model), vocab_(model.part(0).config().vocab_size) {
   decs_.resize(size_t(model.ranks()));
-  streams_.resize(size_t(model.ranks()));
+  for (int r = 0; r < model.ranks(); ++r) streams_.push_back(model.stream(r));
   model.each_rank([&](int r) {
     decs_[size_t(r)] = std::make_unique<Decoder>(model.part(r), kChunk, max_context, true, model.link(r));
-    if (model.group()) {
-      streams_[size_t(r)] = model.group()->stream(r);
-    } else {
-      KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&streams_[size_t(r)], cudaStreamNonBlocking));
-      own_stream_ = streams_[size_t(r)];
-    }
   });
 }
 
