@@ -202,7 +202,11 @@ std::string gguf_tokenizer_json(const GgufVocab& v, const std::string& label) {
   j["version"] = "1.0";
   j["truncation"] = nullptr;
   j["padding"] = nullptr;
-  return j.dump();
+  try {
+    return j.dump();
+  } catch (const nlohmann::json::exception&) {
+    fail(label, ": the vocabulary holds a string (a merge or an added token) that is not valid UTF-8");
+  }
 }
 
 Tokenizer tokenizer_from_gguf(const GgufVocab& v, const std::string& label) {
