@@ -9,19 +9,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 BUILD=${BUILD:-build-gpu}
-if [ -d .deps/root ]; then
-  DEPS=$PWD/.deps/root
-  export CMAKE_PREFIX_PATH=$DEPS/usr
-  export PKG_CONFIG_PATH=$DEPS/usr/lib/x86_64-linux-gnu/pkgconfig:$DEPS/usr/share/pkgconfig
-  export PKG_CONFIG_SYSROOT_DIR=$DEPS
-  export CXXFLAGS="-isystem $DEPS/usr/include ${CXXFLAGS:-}"
-  export LD_LIBRARY_PATH=$DEPS/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-fi
+source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKESTREL_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/build.log" 2>&1 ||
-  { tail -30 "$OUT/build.log"; exit 1; }
-cmake --build "$BUILD" --target kestrel kestrel_gpu_tests -j "$(nproc)" >>"$OUT/build.log" 2>&1 ||
-  { grep -E "error" "$OUT/build.log" | head -30; exit 1; }
+gpu_build "$OUT/build.log" kestrel kestrel_gpu_tests || exit 1
 
 set +e
 "$BUILD/tests/gpu/kestrel_gpu_tests" ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} >"$OUT/gpu_tests.log" 2>&1
@@ -122,8 +112,10 @@ bench() {  # name, then kestrel bench arguments
   "$BUILD/src/kestrel" bench "$@" --json "$OUT/bench_$name.json" 2>>"$OUT/bench.txt" | tee -a "$OUT/bench.txt"
 }
 if [ -z "${SKIP_BENCH:-}" ]; then
-  bench qwen3-30b-a3b --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,2,4,8 --context 1024 --steps 50 --ops \
+  bench qwen3-30b-a3b --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,2,4,8,32 --context 1024 --steps 50 --ops \
     --plot "$OUT/ops_qwen3-30b-a3b.svg"
+  KESTREL_MOE_GROUPED_MIN_BATCH=1000 bench qwen3-30b-a3b-moe-per-slot --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
+    --batch 4,8,32 --context 1024 --steps 50
   KESTREL_MMA_MIN_BATCH=1 bench qwen3-30b-a3b-mma-b1 --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1 --context 1024 --steps 50
   KESTREL_PDL=0 bench qwen3-30b-a3b-no-pdl --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 50
   bench glm-4.5-air --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 30

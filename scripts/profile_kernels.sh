@@ -10,13 +10,13 @@ OUT=${OUT:-$PWD/out}
 CONFIG=${CONFIG:-configs/qwen3-30b-a3b-nvfp4.json}
 BATCH=${BATCH:-1}
 CONTEXT=${CONTEXT:-1024}
-# the libraries .deps provides (see gpu_suite.sh) for the binary itself
-[ -d .deps/root ] && export LD_LIBRARY_PATH=$PWD/.deps/root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-SKIP_BENCH=1 GTEST_FILTER=none OUT=$OUT bash scripts/gpu_suite.sh >/dev/null 2>&1 || true
+source scripts/gpu_env.sh
+mkdir -p "$OUT"
+gpu_build "$OUT/build.log" kestrel || exit 1
 ncu --clock-control none \
   --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
   -k 'regex:^(?!fill)' --launch-count 600 --csv \
-  build-gpu/src/kestrel bench --config "$CONFIG" --random-weights --batch "$BATCH" --context "$CONTEXT" --steps 1 ${EXTRA:-} \
+  "$BUILD/src/kestrel" bench --config "$CONFIG" --random-weights --batch "$BATCH" --context "$CONTEXT" --steps 1 ${EXTRA:-} \
   >"$OUT/ncu.csv" 2>"$OUT/ncu.err" || { tail -5 "$OUT/ncu.err"; exit 1; }
 python3 - "$OUT/ncu.csv" <<'PY'
 import collections, csv, sys

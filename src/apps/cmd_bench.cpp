@@ -187,6 +187,14 @@ Run add_profile(CLI::App& app) {
 
 namespace {
 
+// The tokens of a benchmark batch: different ids, so that the rows route to different experts as
+// real sequences do (identical rows would select the same experts and flatter the MoE kernels).
+std::vector<int32_t> bench_tokens(int batch, int64_t vocab) {
+  std::vector<int32_t> tok(static_cast<size_t>(batch));
+  for (int b = 0; b < batch; ++b) tok[size_t(b)] = int32_t((int64_t(b) * 7919) % vocab);
+  return tok;
+}
+
 // A split model: rank r's part on GPU r, each rank timing its own stream (the ranks move in
 // lock step through their collectives); the floor is the roofline of the same layout.
 int run_split_bench(const Options* o, const std::vector<int>& batches) {
@@ -227,8 +235,7 @@ int run_split_bench(const Options* o, const std::vector<int>& batches) {
     group.run([&](int r) {
       cuda::Decoder& dec = *decs[size_t(r)];
       const cudaStream_t s = group.stream(r);
-      std::vector<int32_t> tok(static_cast<size_t>(B)), pos(static_cast<size_t>(B), int32_t(o->context));
-      for (int b = 0; b < B; ++b) tok[size_t(b)] = int32_t((b * 7919) % full.vocab_size);
+      const std::vector<int32_t> tok = bench_tokens(B, full.vocab_size), pos(static_cast<size_t>(B), int32_t(o->context));
       cudaEvent_t e0, e1;
       KESTREL_CUDA_CHECK(cudaEventCreate(&e0));
       KESTREL_CUDA_CHECK(cudaEventCreate(&e1));
@@ -271,7 +278,7 @@ int run_split_bench(const Options* o, const std::vector<int>& batches) {
       group.run([&](int r) {
         cuda::Decoder& dec = *decs[size_t(r)];
         const cudaStream_t s = group.stream(r);
-        std::vector<int32_t> tok(static_cast<size_t>(B), 1), pos(static_cast<size_t>(B), int32_t(o->context));
+        const std::vector<int32_t> tok = bench_tokens(B, full.vocab_size), pos(static_cast<size_t>(B), int32_t(o->context));
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.tokens(), tok.data(), size_t(B) * 4, cudaMemcpyHostToDevice, s));
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.positions(), pos.data(), size_t(B) * 4, cudaMemcpyHostToDevice, s));
         if (r == 0) {
@@ -332,8 +339,7 @@ int run_bench(const Options* o) {
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
     for (int B : batches) {
-      std::vector<int32_t> tok(static_cast<size_t>(B)), pos(static_cast<size_t>(B), int32_t(o->context));
-      for (int b = 0; b < B; ++b) tok[size_t(b)] = int32_t((b * 7919) % c.vocab_size);
+      const std::vector<int32_t> tok = bench_tokens(B, c.vocab_size), pos(static_cast<size_t>(B), int32_t(o->context));
       auto reset = [&] {
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.tokens(), tok.data(), size_t(B) * 4, cudaMemcpyHostToDevice, s));
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.positions(), pos.data(), size_t(B) * 4, cudaMemcpyHostToDevice, s));
@@ -365,7 +371,7 @@ int run_bench(const Options* o) {
     if (o->ops)
       for (size_t i = 0; i < batches.size(); ++i) {
         const int B = batches[i];
-        std::vector<int32_t> tok(static_cast<size_t>(B), 1), pos(static_cast<size_t>(B), int32_t(o->context));
+        const std::vector<int32_t> tok = bench_tokens(B, c.vocab_size), pos(static_cast<size_t>(B), int32_t(o->context));
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.tokens(), tok.data(), size_t(B) * 4, cudaMemcpyHostToDevice, s));
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.positions(), pos.data(), size_t(B) * 4, cudaMemcpyHostToDevice, s));
         const auto bars = print_ops(dec, c, B, o->context, 10, bw, results[i]["graph_ms"].get<double>(),

@@ -237,22 +237,35 @@ TEST(CudaOps, RoutingMatchesCpu) {
   }
 }
 
+// Widths that are multiples of 64 in NVFP4 or BF16 take the expert-grouped tensor-core kernels
+// from 4 tokens on (up to 40 tokens here: more than 8 tokens share an expert, so an expert's
+// tokens span several groups of 8; 512 wide, few experts: tiles split over up to 4 warps); other
+// widths the per-slot CUDA-core kernels.
+struct MoeCase {
+  int H, I;
+  WeightFormat f;
+  bool grouped;
+};
+
 TEST(CudaOps, MoeMatchesCpu) {
   std::mt19937 rng(9);
-  const int H = 96, I = 48, E = 16, K = 4;
+  const int E = 16, K = 4;
+  for (const MoeCase& mc : {MoeCase{96, 48, WeightFormat::NVFP4, false}, MoeCase{128, 64, WeightFormat::NVFP4, true},
+                            MoeCase{192, 128, WeightFormat::BF16, true},
+                            MoeCase{512, 128, WeightFormat::NVFP4, true}})
   for (bool shared : {false, true}) {
+    const int H = mc.H, I = mc.I;
     ModelConfig c = router_config(shared, E, K, shared ? 4 : 1, shared ? 2 : 1, true);
     c.hidden_size = H;
     c.moe_intermediate_size = I;
     c.num_shared_experts = shared ? 1 : 0;
     std::vector<std::unique_ptr<RandomLinear>> keep;
     auto make = [&](int out, int in) {
-      keep.push_back(std::make_unique<RandomLinear>(out, in, WeightFormat::NVFP4, rng));
+      keep.push_back(std::make_unique<RandomLinear>(out, in, mc.f, rng));
       return keep.back().get();
     };
     MoeWeights mw;
     RandomLinear* router = make(E, H);
-    router->host.format = WeightFormat::NVFP4;
     mw.router = router->host;
     mw.correction_bias = test::random_floats(E, rng, 0.1f);
     std::vector<cuda::DLinear> dg, du, dd;
@@ -275,7 +288,8 @@ TEST(CudaOps, MoeMatchesCpu) {
     dm.router = cuda::make_router(c, router->dev, dbias.get());
     dm.gate = bg.get(), dm.up = bu.get(), dm.down = bd.get();
     dm.width = I;
-    dm.expert_gate = dg[0];
+    cuda::describe_experts(dm, dg, du, dd);
+    ASSERT_EQ(dm.tensor_cores, mc.grouped ? 1 : 0);
     dm.local_experts = E;
     // Expert parallelism: a rank holding experts E/2 .. E-1 (and no shared expert) adds only theirs.
     cuda::DMoe half = dm;
@@ -288,7 +302,7 @@ TEST(CudaOps, MoeMatchesCpu) {
     mw_half.first_expert = E / 2;
     mw_half.has_shared = false;
     for (bool ep : {false, true}) {
-      for (int B : {1, 3, 8}) {
+      for (int B : {1, 3, 4, 8, 40}) {
         const auto x = test::random_floats(size_t(B) * H, rng);
         const auto resid = test::random_floats(size_t(B) * H, rng);
         std::vector<float> out(size_t(B) * H);
@@ -298,11 +312,13 @@ TEST(CudaOps, MoeMatchesCpu) {
         DeviceBuffer<float> dx(x), dr(resid);
         DeviceBuffer<int32_t> se(size_t(B) * K);
         DeviceBuffer<float> sw(size_t(B) * K), sa(size_t(B) * (K + 1) * I), sl(size_t(B) * E);
-        sa.poison();
-        cuda::MoeScratch s{se.get(), sw.get(), sa.get(), I, sl.get()};
+        DeviceBuffer<float> so(size_t(B) * (K + 1) * H);
+        sa.poison(), so.poison();
+        cuda::MoeScratch s{se.get(), sw.get(), sa.get(), I, sl.get(), so.get()};
         cuda::launch_moe(ep ? half : dm, dx.get(), B, dr.get(), s, nullptr);
         EXPECT_LE(test::rel_err(dr.download(), out), 1e-5)
-            << (shared ? "shared, " : "") << (ep ? "experts 8..15, " : "") << "batch " << B;
+            << format_name(mc.f) << " " << H << "x" << I << (shared ? ", shared" : "")
+            << (ep ? ", experts 8..15" : "") << ", batch " << B;
       }
     }
   }

@@ -120,6 +120,7 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
     moe_.weights = buffer<float>(B * size_t(c.experts_per_token));
     moe_.act = buffer<float>(slots * size_t(moe_.act_stride));
     moe_.logits = buffer<float>(B * size_t(c.num_experts));
+    if (B >= 2) moe_.out = buffer<float>(slots * H);  // the expert-grouped kernels (KESTREL_MOE_GROUPED_MIN_BATCH)
   }
 }
 

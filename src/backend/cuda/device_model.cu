@@ -215,7 +215,7 @@ std::unique_ptr<DeviceModel> DeviceModel::upload(const Model& m) {
         u.push_back(d->put(e.up));
         dn.push_back(d->put(e.down));
       }
-      moe.expert_gate = g[0];
+      describe_experts(moe, g, u, dn);
       moe.gate = d->put_array(g);
       moe.up = d->put_array(u);
       moe.down = d->put_array(dn);
@@ -325,7 +325,7 @@ std::unique_ptr<DeviceModel> DeviceModel::random(const ModelConfig& full, uint64
         u.push_back(rows(ep + std::to_string(e) + "." + c.expert_up, x0, I, H));
         dn.push_back(cols(ep + std::to_string(e) + "." + c.expert_down, H, x0, I, FI));
       }
-      moe.expert_gate = g[0];
+      describe_experts(moe, g, u, dn);
       moe.gate = d->put_array(g);
       moe.up = d->put_array(u);
       moe.down = d->put_array(dn);

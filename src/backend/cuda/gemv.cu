@@ -79,10 +79,10 @@ __global__ void __launch_bounds__(kWarps * 32) mma_linear_kernel(Jobs jobs, cons
   if (r0 < W.out) {
     if (W.format == DFormat::NVFP4) {
       #pragma unroll 2
-      for (int c = wk; c < W.in / 64; c += ks) nvfp4_mma_chunk(W, ra, rb, xg, c, j, acc);
+      for (int c = wk; c < W.in / 64; c += ks) nvfp4_mma_chunk(W, ra, rb, x_frag<true>(xg, c, j), c, j, acc);
     } else {
       #pragma unroll 2
-      for (int c = wk; c < W.in / 64; c += ks) bf16_mma_chunk(W, ra, rb, xg, c, j, acc);
+      for (int c = wk; c < W.in / 64; c += ks) bf16_mma_chunk(W, ra, rb, x_frag<false>(xg, c, j), c, j, acc);
     }
   }
   #pragma unroll
@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kWarps * 32) mma_linear_kernel(Jobs jobs, cons
     #pragma unroll
     for (int i = 0; i < 4; ++i) acc[i] += red[w][lane][i];
   float* y = jobs.j[jb].y;
-  const float k = W.format == DFormat::NVFP4 ? kMmaUnscale * W.scale2 : kMmaUnscaleDense;
+  const float k = mma_unscale(W);
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = r0 + g + 8 * h;

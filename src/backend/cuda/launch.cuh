@@ -43,10 +43,11 @@ __device__ __forceinline__ void prefetch_bytes_l2(const void* p, size_t bytes) {
     prefetch_l2(reinterpret_cast<const void*>(a));
 }
 
-// Launches kernel<<<grid, block, smem, s>>>(args...), with PDL unless disabled or on the legacy
-// default stream.
+// Launches kernel<<<grid, block, smem, s>>>(args...), with PDL when `pdl` and PDL is enabled and
+// the stream is not the legacy default stream.
 template <typename... KArgs, typename... Args>
-void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args&&... args) {
+void launch_pdl(bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -55,11 +56,17 @@ void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaSt
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
-  if (s != nullptr && pdl_enabled()) {
+  if (pdl && s != nullptr && pdl_enabled()) {
     cfg.attrs = attr;
     cfg.numAttrs = 1;
   }
   KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+// The usual launch: with PDL.
+template <typename... KArgs, typename... Args>
+void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args&&... args) {
+  launch_pdl(true, kernel, grid, block, smem, s, std::forward<Args>(args)...);
 }
 
 }  // namespace kestrel::cuda

@@ -56,22 +56,46 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Adds chunk c (weights [64c, 64c + 64)) of the tile's rows ra = r0 + g and rb = r0 + g + 8
-// times token g's activations (xg: row g of x, or null for lanes past the batch) to acc:
-// acc[0..1] rows ra, tokens 2j and 2j + 1; acc[2..3] the same for rb.
-__device__ __forceinline__ void nvfp4_mma_chunk(const DLinear& W, int ra, int rb, const float* __restrict__ xg, int c,
-                                                int j, float (&acc)[4]) {
-  const int K = W.in;
-  const uint2 qa = __ldg(reinterpret_cast<const uint2*>(W.data + size_t(ra) * (K / 2)) + 4 * c + j);
-  const uint2 qb = __ldg(reinterpret_cast<const uint2*>(W.data + size_t(rb) * (K / 2)) + 4 * c + j);
-  const uint8_t sa = __ldg(W.scales + size_t(ra) * (K / 16) + 4 * c + j);
-  const uint8_t sb = __ldg(W.scales + size_t(rb) * (K / 16) + 4 * c + j);
+// Lane (g, j)'s B fragments for chunk c: the 16 activations [64c + 16j, 64c + 16j + 16) of token
+// g (xg: its row of x, or null for lanes past the batch), paired as the weights of the format
+// are, each pair split into FP16 hi and lo. Built once per chunk and token group, it serves every
+// matrix of that format multiplied by the same activations (gate and up).
+struct XFrag {
+  uint32_t hi[4][2], lo[4][2];  // k-step t: (k 2j, 2j + 1) and (k 2j + 8, 2j + 9)
+};
+
+template <bool Fp4>
+__device__ __forceinline__ XFrag x_frag(const float* __restrict__ xg, int c, int j) {
   float f[16];
   #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float4 v = xg ? *reinterpret_cast<const float4*>(xg + 64 * c + 16 * j + 4 * i) : make_float4(0.f, 0.f, 0.f, 0.f);
     f[4 * i] = v.x, f[4 * i + 1] = v.y, f[4 * i + 2] = v.z, f[4 * i + 3] = v.w;
   }
+  XFrag x;
+  #pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    if (Fp4) {  // codes (t, t + 4) and (8 + t, 12 + t) of the block
+      split_h2(f[t], f[t + 4], x.hi[t][0], x.lo[t][0]);
+      split_h2(f[8 + t], f[12 + t], x.hi[t][1], x.lo[t][1]);
+    } else {  // adjacent BF16 pairs (2t, 2t + 1) and (8 + 2t, 9 + 2t)
+      split_h2(f[2 * t], f[2 * t + 1], x.hi[t][0], x.lo[t][0]);
+      split_h2(f[8 + 2 * t], f[9 + 2 * t], x.hi[t][1], x.lo[t][1]);
+    }
+  }
+  return x;
+}
+
+// Adds chunk c (weights [64c, 64c + 64)) of the tile's rows ra = r0 + g and rb = r0 + g + 8
+// times the activations of x (x_frag<true> of the same chunk) to acc: acc[0..1] rows ra, tokens
+// 2j and 2j + 1; acc[2..3] the same for rb.
+__device__ __forceinline__ void nvfp4_mma_chunk(const DLinear& W, int ra, int rb, const XFrag& x, int c, int j,
+                                                float (&acc)[4]) {
+  const int K = W.in;
+  const uint2 qa = __ldg(reinterpret_cast<const uint2*>(W.data + size_t(ra) * (K / 2)) + 4 * c + j);
+  const uint2 qb = __ldg(reinterpret_cast<const uint2*>(W.data + size_t(rb) * (K / 2)) + 4 * c + j);
+  const uint8_t sa = __ldg(W.scales + size_t(ra) * (K / 16) + 4 * c + j);
+  const uint8_t sb = __ldg(W.scales + size_t(rb) * (K / 16) + 4 * c + j);
   const __half2 ha = bits_h2(scale_h2(sa)), hb = bits_h2(scale_h2(sb));
   #pragma unroll
   for (int t = 0; t < 4; ++t) {
@@ -79,27 +103,18 @@ __device__ __forceinline__ void nvfp4_mma_chunk(const DLinear& W, int ra, int rb
                            h2_bits(__hmul2(bits_h2(e2m1_pair(qb.x, t)), hb)),
                            h2_bits(__hmul2(bits_h2(e2m1_pair(qa.y, t)), ha)),
                            h2_bits(__hmul2(bits_h2(e2m1_pair(qb.y, t)), hb))};
-    uint32_t hi0, lo0, hi1, lo1;
-    split_h2(f[t], f[t + 4], hi0, lo0);
-    split_h2(f[8 + t], f[12 + t], hi1, lo1);
-    mma_16816(acc, a, hi0, hi1);
-    mma_16816(acc, a, lo0, lo1);
+    mma_16816(acc, a, x.hi[t][0], x.hi[t][1]);
+    mma_16816(acc, a, x.lo[t][0], x.lo[t][1]);
   }
 }
 
-// The same for BF16 rows: 32 bytes of each row per lane and chunk.
-__device__ __forceinline__ void bf16_mma_chunk(const DLinear& W, int ra, int rb, const float* __restrict__ xg, int c,
-                                               int j, float (&acc)[4]) {
+// The same for BF16 rows (x from x_frag<false>): 32 bytes of each row per lane and chunk.
+__device__ __forceinline__ void bf16_mma_chunk(const DLinear& W, int ra, int rb, const XFrag& x, int c, int j,
+                                               float (&acc)[4]) {
   const int K = W.in;
   const uint4* pa = reinterpret_cast<const uint4*>(W.data + (size_t(ra) * K + 64 * c + 16 * j) * 2);
   const uint4* pb = reinterpret_cast<const uint4*>(W.data + (size_t(rb) * K + 64 * c + 16 * j) * 2);
   const uint4 wa[2] = {__ldg(pa), __ldg(pa + 1)}, wb[2] = {__ldg(pb), __ldg(pb + 1)};
-  float f[16];
-  #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float4 v = xg ? *reinterpret_cast<const float4*>(xg + 64 * c + 16 * j + 4 * i) : make_float4(0.f, 0.f, 0.f, 0.f);
-    f[4 * i] = v.x, f[4 * i + 1] = v.y, f[4 * i + 2] = v.z, f[4 * i + 3] = v.w;
-  }
   auto word = [](const uint4 (&w)[2], int i) {  // BF16 weights (2i, 2i + 1) of the 16
     const uint4& q = w[i / 4];
     return (i & 3) == 0 ? q.x : (i & 3) == 1 ? q.y : (i & 3) == 2 ? q.z : q.w;
@@ -110,12 +125,21 @@ __device__ __forceinline__ void bf16_mma_chunk(const DLinear& W, int ra, int rb,
   #pragma unroll
   for (int t = 0; t < 4; ++t) {
     const uint32_t a[4] = {to_h2(word(wa, t)), to_h2(word(wb, t)), to_h2(word(wa, 4 + t)), to_h2(word(wb, 4 + t))};
-    uint32_t hi0, lo0, hi1, lo1;
-    split_h2(f[2 * t], f[2 * t + 1], hi0, lo0);
-    split_h2(f[8 + 2 * t], f[9 + 2 * t], hi1, lo1);
-    mma_16816(acc, a, hi0, hi1);
-    mma_16816(acc, a, lo0, lo1);
+    mma_16816(acc, a, x.hi[t][0], x.hi[t][1]);
+    mma_16816(acc, a, x.lo[t][0], x.lo[t][1]);
   }
+}
+
+// Chunk c of W (NVFP4 or BF16) times token g's activations xg.
+__device__ __forceinline__ void mma_chunk(const DLinear& W, int ra, int rb, const float* __restrict__ xg, int c, int j,
+                                          float (&acc)[4]) {
+  if (W.format == DFormat::NVFP4) nvfp4_mma_chunk(W, ra, rb, x_frag<true>(xg, c, j), c, j, acc);
+  else bf16_mma_chunk(W, ra, rb, x_frag<false>(xg, c, j), c, j, acc);
+}
+
+// The factor that turns a tile's accumulator into W x (the scalings above).
+__host__ __device__ inline float mma_unscale(const DLinear& W) {
+  return W.format == DFormat::NVFP4 ? kMmaUnscale * W.scale2 : kMmaUnscaleDense;
 }
 
 // Warps that split one 16-row tile's chunks: at least 4 chunks each, at most 8 warps.

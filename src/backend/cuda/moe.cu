@@ -1,9 +1,13 @@
+#include <algorithm>
 #include <cfloat>
+#include <cmath>
+#include <cstdlib>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/dequant.cuh"
 #include "backend/cuda/gemv.h"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/mma_tiles.cuh"
 #include "backend/cuda/moe.h"
 
 namespace kestrel::cuda {
@@ -176,7 +180,254 @@ __global__ void __launch_bounds__(kWarps * 32, 3) down_kernel(DMoe m, int batch,
   }
 }
 
+// ---- Expert-grouped kernels (2+ tokens, tensor cores) ----
+
+constexpr int kMaxGroupTokens = 256;  // tokens of a batch the grouped kernels take
+constexpr int kGroupWarps = 4;        // warps per block: small blocks, so that 5 fit an SM at 92 registers
+
+// One block's expert and the slots (b * top_k + j: token b's j-th choice) that selected it, in
+// token order. Block row y = 0 is the shared expert (all tokens; slot batch * top_k + b), y >= 1
+// the (y - 1)-th smallest local expert the batch selected; rows past the selected ones exit.
+struct Group {
+  int expert;  // local index (expert id - first_expert), or -1: nothing for this block row
+  int count;
+  int slots[kMaxGroupTokens];
+};
+
+// Fills g (block-shared) for block row y; every thread of the block calls it. Each block derives
+// the grouping from the routing itself, so grouping costs no launch and no global scratch.
+__device__ bool find_group(const DMoe& m, int batch, const int32_t* __restrict__ experts, int y, Group& g) {
+  __shared__ uint32_t mask[kMaxExperts / 32];
+  const int tid = threadIdx.x, lane = tid & 31, K = m.router.top_k, n = batch * K;
+  if (y == 0) {
+    if (!m.has_shared) return false;
+    for (int b = tid; b < batch; b += blockDim.x) g.slots[b] = n + b;
+    if (tid == 0) g.expert = 0, g.count = batch;
+    __syncthreads();
+    return true;
+  }
+  const int words = (m.local_experts + 31) / 32;
+  for (int w = tid; w < words; w += blockDim.x) mask[w] = 0;
+  if (tid == 0) g.expert = -1, g.count = 0;
+  __syncthreads();
+  for (int t = tid; t < n; t += blockDim.x) {
+    const int e = experts[t] - m.first_expert;
+    if (e >= 0 && e < m.local_experts) atomicOr(&mask[e >> 5], 1u << (e & 31));
+  }
+  __syncthreads();
+  if (tid < 32) {
+    // The (y - 1)-th set bit of the mask: a warp scan of the words' population counts.
+    const int cnt = lane < words ? __popc(mask[lane]) : 0;
+    int incl = cnt;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    const int want = y - 1, below = incl - cnt;
+    if (lane < words && want >= below && want < incl) {
+      uint32_t w = mask[lane];
+      for (int r = want - below; r > 0; --r) w &= w - 1;  // drop the lower set bits
+      g.expert = lane * 32 + __ffs(w) - 1;
+    }
+    __syncwarp();
+    const int e = g.expert;
+    if (e >= 0) {  // the tokens that chose e (each token chooses an expert at most once)
+      int base = 0;
+      for (int b0 = 0; b0 < batch; b0 += 32) {
+        const int b = b0 + lane;
+        int slot = -1;
+        if (b < batch)
+          for (int j = 0; j < K; ++j)
+            if (experts[b * K + j] - m.first_expert == e) slot = b * K + j;
+        const uint32_t has = __ballot_sync(0xffffffffu, slot >= 0);
+        if (slot >= 0) g.slots[base + __popc(has & ((1u << lane) - 1))] = slot;
+        base += __popc(has);
+      }
+      if (lane == 0) g.count = base;
+    }
+  }
+  __syncthreads();
+  return g.expert >= 0;
+}
+
+// Grid: (row blocks, 1 + min(local experts, batch * top_k)). A block holds kGroupWarps / ks tiles of 16
+// gate rows and the same up rows; the ks warps of a tile take its 64-weight chunks in turn (ks is
+// chosen by the host so that the grid fills the GPU: 1 when many experts are selected, so each
+// warp streams whole rows and the block's set-up is paid once for 64 rows). Each group of 8
+// tokens of the expert is one pass over the block's weights (from L2 after the first).
+__global__ void __launch_bounds__(kGroupWarps * 32) grouped_gate_up_kernel(DMoe m, int batch, const float* __restrict__ x,
+                                                                      const int32_t* __restrict__ experts,
+                                                                      float* __restrict__ act, int act_stride, int ks) {
+  __shared__ Group grp;
+  __shared__ float red[kGroupWarps][32][8];
+  pdl_enter();
+  if (!find_group(m, batch, experts, blockIdx.y, grp)) return;
+  const bool sh = blockIdx.y == 0;
+  const DLinear G = sh ? m.shared_gate : m.gate[grp.expert];
+  const DLinear U = sh ? m.shared_up : m.up[grp.expert];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tiles = kGroupWarps / ks;
+  if (int(blockIdx.x) * tiles * 16 >= G.out) return;  // past this expert's rows (the shared one may be wider)
+  const int r0 = (blockIdx.x * tiles + warp / ks) * 16, wk = warp % ks, K = m.router.top_k;
+  const int g = lane >> 2, j = lane & 3;
+  const int ra = min(r0 + g, G.out - 1), rb = min(r0 + g + 8, G.out - 1);
+  const bool fp4 = G.format == DFormat::NVFP4;
+  for (int t0 = 0; t0 < grp.count; t0 += 8) {
+    const int slot = t0 + g < grp.count ? grp.slots[t0 + g] : -1;
+    const float* xg = slot < 0 ? nullptr : x + size_t(sh ? slot - batch * K : slot / K) * G.in;
+    float ag[4] = {0.0f, 0.0f, 0.0f, 0.0f}, au[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (r0 < G.out) {
+      if (fp4) {
+        #pragma unroll 4
+        for (int c = wk; c < G.in / 64; c += ks) {
+          const XFrag xf = x_frag<true>(xg, c, j);
+          nvfp4_mma_chunk(G, ra, rb, xf, c, j, ag);
+          nvfp4_mma_chunk(U, ra, rb, xf, c, j, au);
+        }
+      } else {
+        for (int c = wk; c < G.in / 64; c += ks) {
+          const XFrag xf = x_frag<false>(xg, c, j);
+          bf16_mma_chunk(G, ra, rb, xf, c, j, ag);
+          bf16_mma_chunk(U, ra, rb, xf, c, j, au);
+        }
+      }
+    }
+    if (ks > 1) {
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp][lane][i] = ag[i], red[warp][lane][4 + i] = au[i];
+      __syncthreads();
+      if (wk == 0)
+        for (int w = warp + 1; w < warp + ks; ++w)
+          #pragma unroll
+          for (int i = 0; i < 4; ++i) ag[i] += red[w][lane][i], au[i] += red[w][lane][4 + i];
+    }
+    if (wk == 0 && r0 < G.out) {
+      const float kg = mma_unscale(G), ku = mma_unscale(U);
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = r0 + g + 8 * h;
+        if (row >= G.out) continue;
+        #pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int t = t0 + 2 * j + q;
+          if (t >= grp.count) continue;
+          const float gv = ag[2 * h + q] * kg + (G.bias ? G.bias[row] : 0.0f);
+          const float uv = au[2 * h + q] * ku + (U.bias ? U.bias[row] : 0.0f);
+          act[size_t(grp.slots[t]) * act_stride + row] = gv / (1.0f + __expf(-gv)) * uv;
+        }
+      }
+    }
+    if (ks > 1) __syncthreads();  // red is reused by the next token group
+  }
+}
+
+// Grid: (row blocks over hidden, as above). out[slot] = weight(slot) x down(act[slot]).
+__global__ void __launch_bounds__(kGroupWarps * 32) grouped_down_kernel(DMoe m, int batch, const int32_t* __restrict__ experts,
+                                                                   const float* __restrict__ weights,
+                                                                   const float* __restrict__ act, int act_stride,
+                                                                   float* __restrict__ out, int ks) {
+  __shared__ Group grp;
+  __shared__ float red[kGroupWarps][32][4];
+  pdl_enter();
+  if (!find_group(m, batch, experts, blockIdx.y, grp)) return;
+  const bool sh = blockIdx.y == 0;
+  const DLinear D = sh ? m.shared_down : m.down[grp.expert];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tiles = kGroupWarps / ks;
+  const int r0 = (blockIdx.x * tiles + warp / ks) * 16, wk = warp % ks;
+  const int g = lane >> 2, j = lane & 3;
+  const int ra = min(r0 + g, D.out - 1), rb = min(r0 + g + 8, D.out - 1);
+  for (int t0 = 0; t0 < grp.count; t0 += 8) {
+    const float* xg = t0 + g < grp.count ? act + size_t(grp.slots[t0 + g]) * act_stride : nullptr;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (r0 < D.out) {
+      #pragma unroll 4
+      for (int c = wk; c < D.in / 64; c += ks) mma_chunk(D, ra, rb, xg, c, j, acc);
+    }
+    if (ks > 1) {
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp][lane][i] = acc[i];
+      __syncthreads();
+      if (wk == 0)
+        for (int w = warp + 1; w < warp + ks; ++w)
+          #pragma unroll
+          for (int i = 0; i < 4; ++i) acc[i] += red[w][lane][i];
+    }
+    if (wk == 0 && r0 < D.out) {
+      const float k = mma_unscale(D);
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = r0 + g + 8 * h;
+        if (row >= D.out) continue;
+        #pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int t = t0 + 2 * j + q;
+          if (t >= grp.count) continue;
+          const int slot = grp.slots[t];
+          const float y = acc[2 * h + q] * k + (D.bias ? D.bias[row] : 0.0f);
+          out[size_t(slot) * D.out + row] = sh ? y : weights[slot] * y;
+        }
+      }
+    }
+    if (ks > 1) __syncthreads();
+  }
+}
+
+// residual[b] += the weighted outputs of token b's slots, in slot order (the shared expert last),
+// so the sum does not depend on how the grouped kernels were scheduled.
+__global__ void __launch_bounds__(256) slot_sum_kernel(DMoe m, int batch, const int32_t* __restrict__ experts,
+                                                       const float* __restrict__ out, float* __restrict__ residual) {
+  pdl_enter();
+  const int H = m.router.w.in, K = m.router.top_k, b = blockIdx.y;
+  const int h = blockIdx.x * blockDim.x + threadIdx.x;
+  if (h >= H) return;
+  float sum = 0.0f;
+  for (int j = 0; j < K; ++j) {
+    const int s = b * K + j, e = experts[s] - m.first_expert;
+    if (e >= 0 && e < m.local_experts) sum += out[size_t(s) * H + h];
+  }
+  if (m.has_shared) sum += out[size_t(batch * K + b) * H + h];
+  residual[size_t(b) * H + h] += sum;
+}
+
+// Batches from this size take the expert-grouped kernels (KESTREL_MOE_GROUPED_MIN_BATCH, for A/B
+// runs). Measured on Qwen3-30B-A3B shapes (docs/PERF.md v12): slower at 2 tokens (most experts
+// serve one token, and a tensor-core tile then wastes 7 of its 8 columns), even at 4, ahead from 8.
+int grouped_min_batch() {
+  static const int v = [] {
+    const char* e = std::getenv("KESTREL_MOE_GROUPED_MIN_BATCH");
+    return e ? std::max(1, std::atoi(e)) : 4;
+  }();
+  return v;
+}
+
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    KESTREL_CUDA_CHECK(cudaGetDevice(&dev));
+    KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
+bool on_tensor_cores(const DLinear& w) {
+  return (w.format == DFormat::NVFP4 || w.format == DFormat::BF16) && w.in % 64 == 0;
+}
+
 }  // namespace
+
+void describe_experts(DMoe& m, const std::vector<DLinear>& gate, const std::vector<DLinear>& up,
+                      const std::vector<DLinear>& down) {
+  if (gate.empty() || gate.size() != up.size() || gate.size() != down.size())
+    fail("internal: describe_experts needs as many gate, up and down matrices, at least one");
+  m.expert_gate = gate[0];
+  bool tc = true;
+  for (size_t e = 0; e < gate.size(); ++e)
+    tc &= on_tensor_cores(gate[e]) && on_tensor_cores(up[e]) && on_tensor_cores(down[e]) &&
+          gate[e].format == up[e].format;
+  m.tensor_cores = tc ? 1 : 0;
+}
 
 DRouter make_router(const ModelConfig& c, const DLinear& w, const float* bias) {
   DRouter r;
@@ -215,6 +466,41 @@ void launch_moe_experts(const DMoe& m, const float* x, int batch, float* residua
   if (m.local_experts < 1 || m.first_expert < 0 || m.first_expert + m.local_experts > m.router.experts)
     fail("internal: DMoe holds experts ", m.first_expert, " + ", m.local_experts, " of ", m.router.experts);
   const int slots = batch * m.router.top_k + (m.has_shared ? batch : 0);
+  const int hidden = m.router.w.in;
+  const bool grouped = s.out && m.tensor_cores && batch >= grouped_min_batch() && batch <= kMaxGroupTokens &&
+                       (!m.has_shared || (on_tensor_cores(m.shared_gate) && on_tensor_cores(m.shared_up) &&
+                                          on_tensor_cores(m.shared_down) && m.shared_gate.format == m.shared_up.format));
+  if (grouped) {
+    // Warps per tile: the fewest (longest rows per warp, least set-up per byte) that still give
+    // four blocks per SM for the experts uniform routing is expected to select.
+    const int E = m.local_experts;
+    const double expected = E * (1.0 - std::pow(1.0 - double(m.router.top_k) / m.router.experts, batch)) + m.has_shared;
+    auto warps_per_tile = [&](int rows, int in) {
+      int ks = 1;
+      auto blocks = [&](int k) { return expected * std::ceil(rows / (16.0 * kGroupWarps / k)); };
+      while (ks < kGroupWarps && 2 * ks <= in / 64 && blocks(ks) < 4.0 * sm_count()) ks *= 2;
+      return ks;
+    };
+    // Row blocks of the wider of the routed and the shared expert; extra blocks of the narrower exit.
+    auto blocks_for = [](int rows, int ks) { return (rows + 16 * (kGroupWarps / ks) - 1) / (16 * (kGroupWarps / ks)); };
+    const unsigned groups = unsigned(1 + std::min(E, batch * m.router.top_k));
+    const int shared_w = m.has_shared ? m.shared_gate.out : 0;
+    const int ks_gu = warps_per_tile(std::max(m.width, shared_w), hidden);
+    const int ks_dn = warps_per_tile(hidden, std::min(m.width, m.has_shared ? m.shared_down.in : m.width));
+    // Launched without PDL: with it (its blocks resident and waiting while the selection runs)
+    // the step took 9.31 instead of 8.23 ms at batch 8 on Qwen3-30B-A3B shapes (docs/PERF.md v12);
+    // PDL on the two kernels after it, and on the per-slot kernels, measured neutral.
+    launch_pdl(false, grouped_gate_up_kernel, dim3(unsigned(blocks_for(std::max(m.width, shared_w), ks_gu)), groups),
+           dim3(kGroupWarps * 32), 0, stream, m, batch, x, s.experts, s.act, s.act_stride, ks_gu);
+    KESTREL_CUDA_LAUNCHED();
+    launch(grouped_down_kernel, dim3(unsigned(blocks_for(hidden, ks_dn)), groups), dim3(kGroupWarps * 32), 0, stream, m,
+           batch, s.experts, s.weights, s.act, s.act_stride, s.out, ks_dn);
+    KESTREL_CUDA_LAUNCHED();
+    launch(slot_sum_kernel, dim3(unsigned((hidden + 255) / 256), unsigned(batch)), dim3(256), 0, stream, m, batch,
+           s.experts, s.out, residual);
+    KESTREL_CUDA_LAUNCHED();
+    return;
+  }
   // Blocks cover the rows of the widest slot: a block holds (kWarps / ks) * kGateUpRows rows,
   // ks = warps_per_row, which is the same for every routed expert but may differ for the shared one.
   auto blocks_for = [](const DLinear& w) {
@@ -225,7 +511,6 @@ void launch_moe_experts(const DMoe& m, const float* x, int batch, float* residua
   launch(gate_up_kernel, dim3(unsigned(blocks), unsigned(slots)), dim3(kWarps * 32), 0, stream, m, batch, x,
          s.experts, s.act, s.act_stride);
   KESTREL_CUDA_LAUNCHED();
-  const int hidden = m.router.w.in;
   launch(down_kernel, dim3(unsigned((hidden + kDownRows - 1) / kDownRows), unsigned(batch)), dim3(kWarps * 32), 0,
          stream, m, batch, s.experts, s.weights, s.act, s.act_stride, residual);
   KESTREL_CUDA_LAUNCHED();

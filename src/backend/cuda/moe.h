@@ -4,6 +4,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <vector>
+
 #include "backend/cuda/dlinear.h"
 #include "model/model_config.h"
 
@@ -28,12 +30,18 @@ struct DMoe {
   const DLinear* up = nullptr;
   const DLinear* down = nullptr;
   DLinear expert_gate;            // expert 0's gate as the host sees it: shape and format of all experts' gates
+  int tensor_cores = 0;           // every expert matrix is NVFP4 or BF16 with inputs a multiple of 64 wide
   int width = 0;                  // expert intermediate size
   int first_expert = 0;           // an expert-parallel rank holds experts first_expert ..
   int local_experts = 0;          // .. first_expert + local_experts - 1; slots of others are skipped
   int has_shared = 0;
   DLinear shared_gate, shared_up, shared_down;
 };
+
+// Sets m.expert_gate and m.tensor_cores from the local experts' matrices (host copies of the
+// device arrays m.gate, m.up, m.down).
+void describe_experts(DMoe& m, const std::vector<DLinear>& gate, const std::vector<DLinear>& up,
+                      const std::vector<DLinear>& down);
 
 // Scratch for one MoE layer at batch B: expert ids and weights [B, top_k], and the gated
 // activations of every (token, slot) pair [B * (top_k + shared), max width].
@@ -43,10 +51,16 @@ struct MoeScratch {
   float* act = nullptr;
   int act_stride = 0;
   float* logits = nullptr;  // router logits [B, experts]
+  float* out = nullptr;     // weighted down outputs of every slot [B * (top_k + shared), hidden]; with it,
+                            // batches of 4+ tokens take the expert-grouped tensor-core kernels
 };
 
 // The experts after routing (s.experts, s.weights): gate/up of all slots, then down with the
-// weighted sum added to the residual.
+// weighted sum added to the residual. Up to 3 tokens: a CUDA-core launch per step with one block
+// row per slot. 4 or more (with s.out and m.tensor_cores): the slots are grouped by expert inside
+// each block, so every selected expert's weights (and the shared expert's) are read once for all
+// the tokens that chose it, on tensor cores; then the weighted outputs are added to the residual
+// in slot order.
 void launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s,
                         cudaStream_t stream);
 
