@@ -13,6 +13,7 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/decoder.h"
 #include "backend/cuda/device_model.h"
+#include "backend/cuda/graph_profile.h"
 #include "backend/cuda/op_timer.h"
 #include "backend/cuda/rank_group.h"
 #include "formats/json_file.h"
@@ -44,10 +45,47 @@ struct OpRow {
   std::vector<double> ms;  // per step
 };
 
-// Per-op times of `steps` plain-launch steps at batch B, summed per op name within a step;
-// the median over steps is reported, with how far the sum is from the step timed without events
-// (graph_ms, no_graph_ms). Returns the rows for a plot.
-std::vector<BarRow> print_ops(cuda::Decoder& dec, const ModelConfig& c, int B, int64_t context, int steps, double bw,
+// Per-op times inside the step's CUDA graph (cuda::profile_graph): each op alone against its
+// floor, and the rest of the step as time between ops, so the rows add up to the step. Returns
+// the rows for a plot.
+std::vector<BarRow> print_graph_ops(cuda::Decoder& dec, const ModelConfig& c, int B, int64_t context, int replays,
+                                    double bw, cudaStream_t s, nlohmann::json& out) {
+  // The attention op is charged with its layer's share of the KV cache reads (MLA: the latent rows
+  // it attends to and the indexer keys it scores).
+  const double kv_per_layer = decode_cost(c, B, context, 4.0).kv_cache / double(c.num_layers);
+  const cuda::GraphProfile p = cuda::profile_graph(dec, B, replays, s);
+  std::printf("  per op at batch %d, inside the step's CUDA graph (the op's nodes alone, %d replays each)\n", B, replays);
+  std::printf("  %-16s %5s %6s %10s %7s %10s %9s %8s\n", "op", "calls", "nodes", "time us", "share", "MB", "floor us",
+              "x floor");
+  std::vector<BarRow> bars;
+  double sum = 0;
+  for (const auto& o : p.ops) {
+    const double bytes = o.bytes + (o.name == "attention" ? kv_per_layer * o.calls : 0.0);
+    const double floor_us = bytes / bw * 1e6, us = o.alone_ms * 1e3;
+    sum += us;
+    std::printf("  %-16s %5d %6d %10.1f %6.1f%% %10.2f %9.1f %8.1f\n", o.name.c_str(), o.calls, o.nodes, us,
+                100.0 * o.alone_ms / p.step_ms, bytes / 1e6, floor_us, floor_us > 0 ? us / floor_us : 0.0);
+    out.push_back({{"op", o.name}, {"batch", B}, {"calls", o.calls}, {"nodes", o.nodes}, {"us", us}, {"bytes", bytes},
+                   {"floor_us", floor_us}});
+    bars.push_back({o.name, us, floor_us});
+  }
+  const double between = p.step_ms * 1e3 - sum;
+  std::printf("  %-16s %5s %6s %10.1f %6.1f%%\n", "between ops", "", "", between, 100.0 * between / (p.step_ms * 1e3));
+  std::printf("  %-16s %5s %6s %10.1f\n", "step (graph)", "", "", p.step_ms * 1e3);
+  std::printf("  between ops: each kernel's wait for its predecessor in the chain, less the overlap an op gets\n"
+              "  when replayed alone (its kernels may start early across the disabled nodes: ops of many tiny\n"
+              "  kernels, like rms_norm, read low); the empty graph (%.1f us) is taken off every op\n",
+              p.empty_ms * 1e3);
+  out.push_back({{"op", "between_ops"}, {"batch", B}, {"us", between}, {"step_us", p.step_ms * 1e3}});
+  bars.push_back({"between ops", between, 0.0});
+  return bars;
+}
+
+// Per-op times of `steps` plain-launch steps at batch B with an event after each op (a split
+// model: its collectives need every rank to run the same nodes, so the graph profile does not
+// apply), summed per op name within a step; the median over steps is reported, with how far the
+// sum is from the step timed without events (graph_ms, no_graph_ms). Returns the rows for a plot.
+std::vector<BarRow> print_event_ops(cuda::Decoder& dec, const ModelConfig& c, int B, int64_t context, int steps, double bw,
                               double graph_ms, double no_graph_ms, cudaStream_t s, nlohmann::json& out) {
   cuda::OpTimer timer;
   std::vector<OpRow> rows;
@@ -282,7 +320,7 @@ int run_split_bench(const Options* o, const std::vector<int>& batches) {
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.tokens(), tok.data(), size_t(B) * 4, cudaMemcpyHostToDevice, s));
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.positions(), pos.data(), size_t(B) * 4, cudaMemcpyHostToDevice, s));
         if (r == 0) {
-          print_ops(dec, models[0]->config(), B, o->context, steps, bw, results[i]["graph_ms"].get<double>(),
+          print_event_ops(dec, models[0]->config(), B, o->context, steps, bw, results[i]["graph_ms"].get<double>(),
                     results[i]["no_graph_ms"].get<double>(), s, ops);
         } else {
           for (int k = 0; k < steps + 2; ++k) dec.step(B, s);  // print_ops' warm-up and timed steps
@@ -374,8 +412,7 @@ int run_bench(const Options* o) {
         const std::vector<int32_t> tok = bench_tokens(B, c.vocab_size), pos(static_cast<size_t>(B), int32_t(o->context));
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.tokens(), tok.data(), size_t(B) * 4, cudaMemcpyHostToDevice, s));
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.positions(), pos.data(), size_t(B) * 4, cudaMemcpyHostToDevice, s));
-        const auto bars = print_ops(dec, c, B, o->context, 10, bw, results[i]["graph_ms"].get<double>(),
-                                    results[i]["no_graph_ms"].get<double>(), s, ops);
+        const auto bars = print_graph_ops(dec, c, B, o->context, std::max(10, o->steps / 2), bw, s, ops);
         if (i == 0 && !o->plot.empty()) {
           const std::string svg = svg_bars(c.architecture + ", batch " + std::to_string(B) + ", context " +
                                                std::to_string(o->context) + ": time per op and step",

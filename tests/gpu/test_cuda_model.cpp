@@ -1,10 +1,13 @@
 // Whole models on the GPU decode path against the CPU reference and transformers' logits.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "../unit/fixture.h"
 #include "backend/cpu/forward.h"
 #include "backend/cuda/decoder.h"
 #include "backend/cuda/device_model.h"
+#include "backend/cuda/graph_profile.h"
 #include "backend/cuda/session.h"
 #include "device_buffer.h"
 #include "formats/json_file.h"
@@ -161,6 +164,34 @@ TEST_P(CudaModelTest, BatchAndGraphAgree) {
     want.push_back(cur);
   }
   EXPECT_EQ(got, want);
+}
+
+// The graph profile of a step (kestrel bench --ops, kestrel profile) sees every op and every
+// kernel of the step once, and leaves the decoder as a real step would.
+TEST_P(CudaModelTest, GraphProfileCoversTheStep) {
+  const std::string dir = test::fixture_dir(GetParam());
+  auto model = load_model(dir);
+  const test::Reference ref = test::load_reference(dir);
+  auto dm = cuda::DeviceModel::upload(*model);
+  const int B = 2;
+  cuda::Decoder dec(*dm, B, 4);
+  Stream stream;
+  set_inputs(dec, {ref.tokens[0], ref.tokens[1]}, {0, 0});
+  dec.step(B, stream.s);
+  const std::vector<float> want = logits_of(dec, B, ref.vocab);
+  const cuda::GraphProfile p = cuda::profile_graph(dec, B, 2, stream.s);
+  int nodes = 0;
+  std::vector<std::string> names;
+  for (const auto& o : p.ops) {
+    EXPECT_GE(o.nodes, o.calls) << o.name << ": an op without kernels";
+    nodes += o.nodes;
+    names.push_back(o.name);
+  }
+  EXPECT_EQ(nodes, dec.launches_per_step());
+  for (const char* op : {"embed", "rms_norm", "attention", "lm_head", "argmax"})
+    EXPECT_NE(std::find(names.begin(), names.end(), op), names.end()) << op;
+  EXPECT_GT(p.step_ms, 0.0);
+  EXPECT_LE(test::rel_err(logits_of(dec, B, ref.vocab), want), 1e-6);
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, CudaModelTest, ::testing::ValuesIn(test::fixture_names()), [](const auto& info) {

@@ -235,7 +235,7 @@ void Decoder::gather_logits(int batch, cudaStream_t s) {
   KESTREL_CUDA_LAUNCHED();
 }
 
-void Decoder::step(int batch, cudaStream_t s, OpTimer* timer) {
+void Decoder::step(int batch, cudaStream_t s, OpMarks* marks) {
   if (batch < 1 || batch > max_batch_) fail("decode batch ", batch, " outside 1..", max_batch_);
   const ModelConfig& c = m_.config();
   const int H = int(c.hidden_size), hd = int(c.head_dim), nq = int(c.num_heads), nkv = int(c.num_kv_heads);
@@ -246,13 +246,13 @@ void Decoder::step(int batch, cudaStream_t s, OpTimer* timer) {
   rope.rotary_dim = int(c.rope.rotary_dim);
   rope.interleaved = c.rope.interleaved;
   int n = 0;
-  // Counts launches and, when timing, marks the end of an op with the bytes it must move.
+  // Counts launches and, when observed, marks the end of an op with the bytes it must move.
   auto op = [&](const char* name, int launches, double bytes) {
     n += launches;
-    if (timer) timer->mark(name, bytes, s);
+    if (marks) marks->mark(name, bytes, s);
   };
   const double act = 4.0 * batch;  // bytes per activation element of the batch
-  if (timer) timer->begin(s);
+  if (marks) marks->begin(s);
   launch_embed(m_.embed(), tokens_, batch, x_, s);
   op("embed", 1, double(m_.embed().bytes()) / double(c.vocab_size) * batch + act * H);
   const double expected_experts = expected_distinct_experts(c, batch);

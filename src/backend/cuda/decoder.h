@@ -48,9 +48,9 @@ class Decoder {
   const float* logits() const { return logits_; }
   const int32_t* next() const { return next_; }
 
-  // Enqueues one step (kernels launched one by one) on the stream. With a timer, an event
-  // follows every op (see OpTimer).
-  void step(int batch, cudaStream_t s, OpTimer* timer = nullptr);
+  // Enqueues one step (kernels launched one by one) on the stream. With marks, each op is
+  // reported as it is enqueued (OpTimer: an event after every op; OpGraph: during a capture).
+  void step(int batch, cudaStream_t s, OpMarks* marks = nullptr);
   // The same step through the CUDA graph for this batch size (captured on first use); when
   // `advance`, the graph ends by copying next -> tokens and incrementing positions.
   void step_graph(int batch, bool advance, cudaStream_t s);

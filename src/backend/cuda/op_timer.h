@@ -15,12 +15,22 @@ struct OpTime {
   float ms = 0;
 };
 
-class OpTimer {
+// Told about the ops of a decode step as the decoder enqueues them: begin() before the first,
+// mark() after each with the op's name and the bytes it must move. OpTimer records events;
+// OpGraph (graph_profile.h) notes which nodes of a captured step belong to which op.
+class OpMarks {
  public:
-  ~OpTimer();
-  void begin(cudaStream_t s);                                    // before the first op
-  void mark(const std::string& name, double bytes, cudaStream_t s);  // after each op
-  std::vector<OpTime> finish();                                  // synchronizes; times of this step
+  virtual ~OpMarks() = default;
+  virtual void begin(cudaStream_t s) = 0;
+  virtual void mark(const std::string& name, double bytes, cudaStream_t s) = 0;
+};
+
+class OpTimer : public OpMarks {
+ public:
+  ~OpTimer() override;
+  void begin(cudaStream_t s) override;
+  void mark(const std::string& name, double bytes, cudaStream_t s) override;
+  std::vector<OpTime> finish();  // synchronizes; times of this step
 
  private:
   cudaEvent_t event();
