@@ -55,16 +55,17 @@ std::vector<BarRow> print_graph_ops(cuda::Decoder& dec, const ModelConfig& c, in
   const double kv_per_layer = decode_cost(c, B, context, 4.0).kv_cache / double(c.num_layers);
   const cuda::GraphProfile p = cuda::profile_graph(dec, B, replays, s);
   std::printf("  per op at batch %d, inside the step's CUDA graph (the op's nodes alone, %d replays each)\n", B, replays);
-  std::printf("  %-16s %5s %6s %10s %7s %10s %9s %8s\n", "op", "calls", "nodes", "time us", "share", "MB", "floor us",
-              "x floor");
+  std::printf("  %-16s %5s %6s %10s %7s %10s %7s %9s %8s\n", "op", "calls", "nodes", "time us", "share", "MB", "GB/s",
+              "floor us", "x floor");
   std::vector<BarRow> bars;
   double sum = 0;
   for (const auto& o : p.ops) {
     const double bytes = o.bytes + (o.name == "attention" ? kv_per_layer * o.calls : 0.0);
     const double floor_us = bytes / bw * 1e6, us = o.alone_ms * 1e3;
     sum += us;
-    std::printf("  %-16s %5d %6d %10.1f %6.1f%% %10.2f %9.1f %8.1f\n", o.name.c_str(), o.calls, o.nodes, us,
-                100.0 * o.alone_ms / p.step_ms, bytes / 1e6, floor_us, floor_us > 0 ? us / floor_us : 0.0);
+    std::printf("  %-16s %5d %6d %10.1f %6.1f%% %10.2f %7.0f %9.1f %8.1f\n", o.name.c_str(), o.calls, o.nodes, us,
+                100.0 * o.alone_ms / p.step_ms, bytes / 1e6, us > 0 ? bytes / us / 1e3 : 0.0, floor_us,
+                floor_us > 0 ? us / floor_us : 0.0);
     out.push_back({{"op", o.name}, {"batch", B}, {"calls", o.calls}, {"nodes", o.nodes}, {"us", us}, {"bytes", bytes},
                    {"floor_us", floor_us}});
     bars.push_back({o.name, us, floor_us});
