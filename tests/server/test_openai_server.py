@@ -122,7 +122,6 @@ try:
     expect_error(400, lambda: client.completions.create(model=NAME, prompt="x", max_tokens=10**9), "huge max_tokens")
     expect_error(400, lambda: client.completions.create(model=NAME, prompt="word " * 400, max_tokens=1),
                  "prompt longer than the context")
-    expect_error(400, lambda: client.completions.create(model=NAME, prompt="x", n=2), "n = 2")
     expect_error(400, lambda: client.chat.completions.create(model=NAME, messages=[], max_tokens=1), "no messages")
     status, body = raw("POST", "/v1/chat/completions", body=b"{not json", headers={"Content-Type": "application/json"})
     check(status == 400 and json.loads(body)["error"]["type"] == "invalid_request_error", "invalid JSON: 400")
