@@ -122,6 +122,9 @@ HttpServer::HttpServer(Engine& engine, const text::Tokenizer& tok, std::optional
   const int threads = o_.threads;
   svr_->new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
   svr_->set_payload_max_length(8u << 20);
+  // Streamed chunks are small writes; with Nagle's algorithm each waits for the client's
+  // (delayed) ACK of the one before.
+  svr_->set_tcp_nodelay(true);
   routes();
 }
 
