@@ -10,11 +10,12 @@ import http.client
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
 import time
+
+from serve_harness import NAME, arguments, check, finish, start_server, stop_server
 
 try:
     import openai
@@ -22,33 +23,10 @@ except ImportError:
     print("skipped: the openai package is not installed (scripts/install_deps.sh makes .venv)")
     sys.exit(77)
 
-BIN, MODEL = sys.argv[1], sys.argv[2]
-if not os.path.exists(MODEL):
-    print(f"skipped: {MODEL} is absent (scripts/fetch_model.sh)")
-    sys.exit(77)
-NAME, KEY = "smollm2", "sekrit"
-failures = []
+BIN, MODEL = arguments()
+KEY = "sekrit"
 
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        failures.append(what)
-
-
-def start_server(*args):
-    """`kestrel serve` on a free port with these extra arguments: (process, port)."""
-    p = subprocess.Popen([BIN, "serve", "--model", MODEL, "--port", "0", "--served-model-name", NAME, *args],
-                         stderr=subprocess.PIPE, text=True)
-    for line in p.stderr:
-        m = re.search(r"on http://[\d.]+:(\d+)", line)
-        if m:
-            threading.Thread(target=lambda: [None for _ in p.stderr], daemon=True).start()  # keep draining
-            return p, int(m.group(1))
-    raise RuntimeError("the server did not start")
-
-
-proc, port = start_server("--context", "256", "--max-batch", "32", "--api-key", KEY, "--grace", "5")
+proc, port = start_server(BIN, MODEL, "--context", "256", "--max-batch", "32", "--api-key", KEY, "--grace", "5")
 client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
@@ -176,7 +154,6 @@ try:
     check((metric("kestrel_generation_tokens_total") or 0) > 300, "metrics count generated tokens")
 
     # A bounded load test: 200 requests from 16 concurrent clients, no errors.
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import load_test
     result = load_test.run(f"http://127.0.0.1:{port}", NAME, requests=200, concurrency=16, max_tokens=4, api_key=KEY)
     check(result["errors"] == 0 and result["requests"] == 200, "load test: 200 requests, 16 concurrent, no errors")
@@ -184,7 +161,7 @@ try:
     # context so that generated requests stay quick: no 5xx, only documented status codes.
     st = os.path.join(os.path.dirname(sys.executable), "schemathesis")
     if os.path.exists(st):
-        small, small_port = start_server("--context", "48")
+        small, small_port = start_server(BIN, MODEL, "--context", "48")
         try:
             r = subprocess.run([st, "run", f"http://127.0.0.1:{small_port}/openapi.json", "--checks",
                                 "not_a_server_error,status_code_conformance", "-n", "15"],
@@ -194,18 +171,11 @@ try:
             if r.returncode != 0:
                 print(r.stdout[-3000:])
         finally:
-            small.send_signal(signal.SIGTERM)
-            small.wait(timeout=20)
+            stop_server(small)
     else:
         print("skip schemathesis: not installed next to", sys.executable)
 finally:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        rc = proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc = None
+    rc = stop_server(proc)
     check(rc == 0, f"SIGTERM: exit status {rc}")
 
-print(f"{len(failures)} failed" if failures else "all passed")
-sys.exit(1 if failures else 0)
+finish()
