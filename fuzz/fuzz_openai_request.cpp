@@ -13,11 +13,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (Endpoint e : {Endpoint::Completions, Endpoint::Chat}) {
     try {
       const ApiRequest r = parse_request(e, body);
+      if (r.n < 1 || r.n > kMaxChoices) std::abort();
       Completion c;
       c.model = r.model;
-      c.text = r.prompt;
+      c.choices.resize(size_t(r.n));
+      c.choices.back().text = r.prompt;
       (void)dump(response_json(e, c, r.top_logprobs >= 0));
-      (void)sse(chunk_json(e, c, r.prompt, {}, false, "", true));
+      (void)sse(chunk_json(e, c, r.n - 1, r.prompt, {}, false, "", true));
     } catch (const ApiError& err) {
       if (err.status < 400 || err.status >= 500) std::abort();
       (void)error_body(err);

@@ -10,13 +10,15 @@
 
 namespace kestrel {
 
+RequestStream::RequestStream(int choices) : choice_cancelled_(size_t(std::max(choices, 1))) {}
+
 bool RequestStream::next(TokenEvent& e) {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return !events_.empty() || ended_; });
+  cv_.wait(lock, [&] { return !events_.empty() || ended_ == choices(); });
   if (events_.empty()) return false;
   e = std::move(events_.front());
   events_.pop_front();
-  if (e.finish != Finish::None) ended_ = true;
+  if (e.finish != Finish::None) ++ended_;
   return true;
 }
 
@@ -28,8 +30,19 @@ void RequestStream::push(TokenEvent e) {
   cv_.notify_all();
 }
 
+uint64_t choice_seed(uint64_t seed, int index) {
+  if (index == 0) return seed;
+  // splitmix64 of the seed advanced by `index` steps: neighbouring seeds and indices give
+  // unrelated generator states.
+  uint64_t z = seed + uint64_t(index) * 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
 struct Engine::Sequence {
-  GenerationRequest req;
+  GenerationRequest req;         // sampling.seed: this choice's
+  int index = 0;                 // the choice
   std::shared_ptr<RequestStream> stream;
   int slot = -1;                 // in slots_, once started
   std::unique_ptr<Sampler> sampler;
@@ -69,29 +82,45 @@ Engine::~Engine() { shutdown(0.0); }
 
 std::shared_ptr<RequestStream> Engine::submit(GenerationRequest r) {
   const int64_t V = model_.config.vocab_size;
-  if (r.prompt.empty()) fail("the prompt is empty");
+  if (r.prompt.empty()) throw RequestError("prompt", "the prompt is empty");
   for (int32_t t : r.prompt)
-    if (t < 0 || t >= V) fail("token id ", t, " is outside the vocabulary of ", V);
-  if (r.max_tokens < 0) fail("max_tokens must be >= 0, got ", r.max_tokens);
+    if (t < 0 || t >= V) throw RequestError("prompt", cat("token id ", t, " is outside the vocabulary of ", V));
+  if (r.max_tokens < 0) throw RequestError("max_tokens", cat("max_tokens must be >= 0, got ", r.max_tokens));
   check_sampler_options(r.sampling);
   const int64_t need = int64_t(r.prompt.size()) + r.max_tokens;
   if (need > context_)
-    fail("the prompt has ", r.prompt.size(), " tokens and max_tokens is ", r.max_tokens, ": ", need,
-         " positions, more than the context of ", context_);
+    throw RequestError("max_tokens", cat("the prompt has ", r.prompt.size(), " tokens and max_tokens is ", r.max_tokens,
+                                         ": ", need, " positions, more than the context of ", context_));
   const int64_t reserve = KvBlockPool::blocks_for(need) * KvBlockPool::kBlock;
   if (reserve > o_.kv_tokens)
-    fail("the request needs ", need, " KV positions (", reserve, " in blocks of ", KvBlockPool::kBlock,
-         "); the server holds ", o_.kv_tokens, " in all");
-  auto s = std::make_unique<Sequence>();
-  s->req = std::move(r);
-  s->stream = std::make_shared<RequestStream>();
-  s->positions = need;
-  s->reserved = reserve;
-  auto stream = s->stream;
+    throw RequestError("max_tokens", cat("the request needs ", need, " KV positions (", reserve, " in blocks of ",
+                                         KvBlockPool::kBlock, "); the server holds ", o_.kv_tokens, " in all"));
+  // A request's choices run side by side (admitted together), so all of them must fit at once.
+  if (r.n < 1) throw RequestError("n", cat("n must be at least 1, got ", r.n));
+  if (r.n > o_.max_batch)
+    throw RequestError("n", cat("n = ", r.n, ": a request's choices run side by side and this server runs at most ",
+                                o_.max_batch, " sequences at once (--max-batch)"));
+  if (r.n * reserve > o_.kv_tokens)
+    throw RequestError("n", cat("n = ", r.n, ": the choices need ", r.n, " x ", reserve, " = ", r.n * reserve,
+                                " KV positions at once; the server holds ", o_.kv_tokens, " in all"));
+  Group g;
+  auto stream = std::make_shared<RequestStream>(r.n);
+  for (int i = 0; i < r.n; ++i) {
+    auto s = std::make_unique<Sequence>();
+    s->req = r;
+    s->req.sampling.seed = choice_seed(r.sampling.seed, i);
+    s->index = i;
+    s->stream = stream;
+    s->positions = need;
+    s->reserved = reserve;
+    g.reserved += reserve;
+    g.seqs.push_back(std::move(s));
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!accepting_) throw EngineStopped();
-    waiting_.push_back(std::move(s));
+    waiting_seqs_ += r.n;
+    waiting_.push_back(std::move(g));
   }
   cv_.notify_all();
   return stream;
@@ -101,7 +130,7 @@ EngineStats Engine::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   EngineStats st;
   st.running = int(running_.size());
-  st.waiting = int(waiting_.size());
+  st.waiting = waiting_seqs_;
   st.kv_used = kv_used_;
   st.kv_capacity = o_.kv_tokens;
   st.prompt_tokens = prompt_tokens_;
@@ -138,6 +167,7 @@ void Engine::finish(Sequence& s, Finish f, const std::string& error, bool locked
     s.admitted = false;
   }
   TokenEvent e;
+  e.index = s.index;
   e.finish = f;
   e.error = error;
   s.stream->push(std::move(e));
@@ -155,7 +185,7 @@ void Engine::step_all() {
   for (auto& sp : running_) {
     Sequence& s = *sp;
     if (s.done) continue;
-    if (s.stream->cancelled()) {
+    if (s.stream->cancelled(s.index)) {
       finish(s, Finish::Cancelled);
       continue;
     }
@@ -209,6 +239,7 @@ void Engine::step_all() {
 void Engine::emit(Sequence& s, const std::vector<float>& logits) {
   const int64_t V = model_.config.vocab_size;
   TokenEvent e;
+  e.index = s.index;
   e.token = s.sampler->sample(logits, s.history, s.req.prompt.size());
   if (s.req.top_logprobs >= 0) {
     // log-softmax of the raw logits (what the model assigns, before sampling settings).
@@ -248,19 +279,31 @@ void Engine::loop() {
       if (stop_) {
         for (auto& s : running_)
           if (!s->done) finish(*s, Finish::Cancelled, "the server shut down", true);
-        for (auto& s : waiting_) finish(*s, Finish::Cancelled, "the server shut down", true);
+        for (auto& g : waiting_)
+          for (auto& s : g.seqs) finish(*s, Finish::Cancelled, "the server shut down", true);
         running_.clear();
         waiting_.clear();
+        waiting_seqs_ = 0;
         return;
       }
-      // Admission in arrival order: the first request that does not fit waits, and so do those
-      // behind it (no overtaking, so a large request is not starved).
-      while (!waiting_.empty() && int(running_.size()) < o_.max_batch &&
-             kv_used_ + waiting_.front()->reserved <= o_.kv_tokens) {
-        running_.push_back(std::move(waiting_.front()));
+      // Admission in arrival order, a request's choices together: the first request that does
+      // not fit waits, and so do those behind it (no overtaking, so a large request is not
+      // starved). One whose client went away while it waited ends here.
+      while (!waiting_.empty()) {
+        Group& g = waiting_.front();
+        if (g.seqs.front()->stream->cancelled()) {
+          for (auto& s : g.seqs) finish(*s, Finish::Cancelled, "", true);
+        } else if (int(running_.size() + g.seqs.size()) <= o_.max_batch && kv_used_ + g.reserved <= o_.kv_tokens) {
+          for (auto& s : g.seqs) {
+            s->admitted = true;
+            running_.push_back(std::move(s));
+          }
+          kv_used_ += g.reserved;
+        } else {
+          break;
+        }
+        waiting_seqs_ -= int(g.seqs.size());
         waiting_.pop_front();
-        kv_used_ += running_.back()->reserved;
-        running_.back()->admitted = true;
       }
     }
     step_all();

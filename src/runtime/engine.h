@@ -2,9 +2,11 @@
 // steps (continuous batching), prompts are prefilled in chunks so that a long prompt does not
 // stall the sequences already decoding, and admission is bounded by the KV cache: a request
 // reserves prompt + max_tokens positions, waits while they are not free, and is refused at once
-// when it could never fit. Every step advances every running sequence (sequence_slots.h: one
-// after another on the CPU, one batched decode step on the GPU); each has its own KV cache and
-// sampler, so a request yields the same tokens alone or among many (on the GPU to rounding).
+// when it could never fit. A request with n choices is n sequences of one prompt, admitted
+// together and streamed through one RequestStream. Every step advances every running sequence
+// (sequence_slots.h: one after another on the CPU, one batched decode step on the GPU); each has
+// its own KV cache and sampler, so a request yields the same tokens alone or among many (on the
+// GPU to rounding).
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -40,6 +42,19 @@ struct GenerationRequest {
   SamplerOptions sampling;
   int top_logprobs = -1;  // -1: no log-probabilities; n >= 0: the chosen token's and the n best
   bool ignore_eos = false;
+  int n = 1;              // choices: sequences of this prompt; choice i samples with choice_seed(seed, i)
+};
+
+// The seed of choice `index` of a request seeded with `seed`: choice 0 keeps the seed (so it
+// gives what the same request with n = 1 gives), the others get well-mixed seeds of their own.
+uint64_t choice_seed(uint64_t seed, int index);
+
+// A request the engine can never run, with the request field to blame ("prompt", "max_tokens",
+// "n"); a server answers 400 naming it.
+class RequestError : public Error {
+ public:
+  RequestError(std::string field, const std::string& message) : Error(message), field(std::move(field)) {}
+  std::string field;
 };
 
 enum class Finish { None, Length, Eos, Cancelled, Error };
@@ -49,8 +64,10 @@ struct TokenLogprob {
   float logprob;
 };
 
-// One event of a request's stream: a token, or the end (finish != None) with no token.
+// One event of a request's stream: a token of choice `index`, or the end of that choice
+// (finish != None) with no token.
 struct TokenEvent {
+  int index = 0;
   int32_t token = -1;
   float logprob = 0.0f;
   std::vector<TokenLogprob> top;  // best alternatives, most likely first
@@ -58,21 +75,27 @@ struct TokenEvent {
   std::string error;              // with Finish::Error
 };
 
-// The consumer side of one request. next() blocks for the next event; cancel() ends the request
-// at the next step and frees its KV positions (a client that went away).
+// The consumer side of one request: the events of its choices, interleaved in the order they
+// were made. next() blocks for the next event; cancel() ends every choice at the next step and
+// frees their KV positions (a client that went away), cancel(i) only choice i (a stop string).
 class RequestStream {
  public:
-  bool next(TokenEvent& e);  // false once the end event has been taken
+  explicit RequestStream(int choices = 1);
+  bool next(TokenEvent& e);  // false once every choice's end event has been taken
   void cancel() { cancelled_ = true; }
+  void cancel(int choice) { choice_cancelled_.at(size_t(choice)) = true; }
   bool cancelled() const { return cancelled_; }
+  bool cancelled(int choice) const { return cancelled_ || choice_cancelled_.at(size_t(choice)); }
+  int choices() const { return int(choice_cancelled_.size()); }
   void push(TokenEvent e);
 
  private:
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<TokenEvent> events_;
-  bool ended_ = false;
+  int ended_ = 0;  // end events taken
   std::atomic<bool> cancelled_{false};
+  std::vector<std::atomic<bool>> choice_cancelled_;
 };
 
 // submit() on an engine that is shutting down (a server answers 503, not 400).
@@ -82,7 +105,7 @@ class EngineStopped : public Error {
 };
 
 struct EngineStats {
-  int running = 0, waiting = 0;
+  int running = 0, waiting = 0;  // sequences (a request with n choices counts n)
   int64_t kv_used = 0, kv_capacity = 0;
   int64_t prompt_tokens = 0, generated_tokens = 0;  // totals since start
 };
@@ -99,20 +122,27 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  // Queues a request. Fails (kestrel::Error, a message for the client) when it can never run:
-  // an empty prompt, a token outside the vocabulary, more positions than the context or the KV
-  // cache holds, or an engine that is shutting down.
+  // Queues a request's n sequences, admitted together. Fails when it can never run
+  // (RequestError naming the field: an empty prompt, a token outside the vocabulary, more
+  // positions than the context or the KV cache holds, more choices than run at once or than the
+  // KV cache holds side by side) or when the engine is shutting down (EngineStopped).
   std::shared_ptr<RequestStream> submit(GenerationRequest r);
   // Stops admitting, lets running and queued requests finish for up to `grace_s` seconds, then
   // cancels what is left and joins the loop.
   void shutdown(double grace_s);
   EngineStats stats() const;
   int64_t context() const { return context_; }
+  int max_batch() const { return o_.max_batch; }
   std::string describe() const { return slots_->describe(); }  // where the sequences run
   const Model& model() const { return model_; }
 
  private:
   struct Sequence;
+  // The sequences of one request, admitted together.
+  struct Group {
+    std::vector<std::unique_ptr<Sequence>> seqs;
+    int64_t reserved = 0;  // KV positions of all of them
+  };
   void loop();
   // One step of every running sequence: the next prompt chunk or the last sampled token.
   void step_all();
@@ -127,7 +157,8 @@ class Engine {
   std::unique_ptr<SequenceSlots> slots_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::unique_ptr<Sequence>> waiting_;
+  std::deque<Group> waiting_;
+  int waiting_seqs_ = 0;
   std::vector<std::unique_ptr<Sequence>> running_;
   int64_t kv_used_ = 0, prompt_tokens_ = 0, generated_tokens_ = 0;
   bool accepting_ = true, stop_ = false;

@@ -2,6 +2,7 @@
 
 #include <httplib.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -38,59 +39,80 @@ void send_error(httplib::Response& res, const ApiError& e) {
 
 }  // namespace
 
-// One request's generation: engine events turned into text, stop strings, log-probabilities.
+// One request's generation: the engine's events of its choices turned into text, stop strings
+// and log-probabilities, choice by choice.
 struct HttpServer::Generation {
+  struct ChoiceState {
+    text::StreamDecoder decoder;
+    StopMatcher stop;
+    clock_type::time_point last_token;
+    int64_t tokens = 0;
+    bool finished = false;
+    bool started = false;  // a chunk of it was streamed
+    ChoiceState(const text::Tokenizer& t, std::vector<std::string> stops) : decoder(t, true), stop(std::move(stops)) {}
+  };
+
   ApiRequest req;
   Completion c;
+  std::vector<ChoiceState> state;  // per choice, beside c.choices
+  int open;                        // choices not finished
   std::shared_ptr<RequestStream> stream;
-  text::StreamDecoder decoder;
-  StopMatcher stop;
   const text::Tokenizer& tok;
   Metrics& metrics;
-  clock_type::time_point start = clock_type::now(), last_token;
-  bool finished = false;
+  clock_type::time_point start = clock_type::now();
 
-  Generation(ApiRequest r, const text::Tokenizer& t, Metrics& m)
-      : req(std::move(r)), decoder(t, true), stop(req.stop), tok(t), metrics(m) {}
+  Generation(ApiRequest r, const text::Tokenizer& t, Metrics& m) : req(std::move(r)), open(req.n), tok(t), metrics(m) {
+    c.choices.resize(size_t(req.n));
+    for (int i = 0; i < req.n; ++i) state.emplace_back(t, req.stop);
+  }
+  bool finished() const { return open == 0; }
 
-  // Waits for the next token or the end. Returns the new text and tokens; sets c.finish_reason
-  // and `finished` at the end. Throws ApiError when the engine failed or shut down.
-  void advance(std::string& delta, std::vector<TokenInfo>& tokens) {
+  // Waits for the next event of any choice. Returns its choice, with the new text and tokens in
+  // `delta` and `tokens`, and c.choices[i].finish_reason set when it ended the choice; -1 for an
+  // event of a choice that already ended (a stop string cancelled it). Throws ApiError when the
+  // engine failed or shut down.
+  int advance(std::string& delta, std::vector<TokenInfo>& tokens) {
     TokenEvent e;
     if (!stream->next(e)) throw ApiError(500, "the request's stream ended without a result");
+    const int i = e.index;
+    if (i < 0 || i >= req.n) throw ApiError(500, "an event of choice " + std::to_string(i) + " the request does not have");
+    ChoiceState& st = state[size_t(i)];
+    if (st.finished) return -1;
     if (e.finish == Finish::None) {
+      ++st.tokens;
       ++c.usage.completion_tokens;
       const auto now = clock_type::now();
       if (c.usage.completion_tokens == 1) metrics.first_token(seconds_since(start));
-      else metrics.inter_token(std::chrono::duration<double>(now - last_token).count());
-      last_token = now;
-      std::string piece = stop.push(decoder.push(e.token));
+      if (st.tokens > 1) metrics.inter_token(std::chrono::duration<double>(now - st.last_token).count());
+      st.last_token = now;
+      std::string piece = st.stop.push(st.decoder.push(e.token));
       if (req.top_logprobs >= 0) {
         TokenInfo info{tok.decode(std::span<const int32_t>(&e.token, 1)), e.logprob, {}};
         for (const TokenLogprob& t : e.top) info.top.emplace_back(tok.decode(std::span<const int32_t>(&t.token, 1)), t.logprob);
         tokens.push_back(std::move(info));
       }
       delta += piece;
-      if (stop.stopped()) {
-        stream->cancel();
-        end("stop");
+      if (st.stop.stopped()) {
+        stream->cancel(i);
+        end(i, "stop");
       }
-      return;
+      return i;
     }
     switch (e.finish) {
       case Finish::Error: throw ApiError(500, "generation failed: " + e.error);
       case Finish::Cancelled: throw ApiError(503, e.error.empty() ? "the request was cancelled" : e.error);
       default: break;
     }
-    delta += stop.push(decoder.flush());
-    if (!stop.stopped()) delta += stop.flush();
-    end(e.finish == Finish::Length && !stop.stopped() ? "length" : "stop");
+    delta += st.stop.push(st.decoder.flush());
+    if (!st.stop.stopped()) delta += st.stop.flush();
+    end(i, e.finish == Finish::Length && !st.stop.stopped() ? "length" : "stop");
+    return i;
   }
 
-  void end(const char* reason) {
-    c.finish_reason = reason;
-    finished = true;
-    metrics.request_time(seconds_since(start));
+  void end(int i, const char* reason) {
+    c.choices[size_t(i)].finish_reason = reason;
+    state[size_t(i)].finished = true;
+    if (--open == 0) metrics.request_time(seconds_since(start));
   }
 };
 
@@ -100,6 +122,9 @@ HttpServer::HttpServer(Engine& engine, const text::Tokenizer& tok, std::optional
   const int threads = o_.threads;
   svr_->new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
   svr_->set_payload_max_length(8u << 20);
+  // Streamed chunks are small writes; with Nagle's algorithm each waits for the client's
+  // (delayed) ACK of the one before.
+  svr_->set_tcp_nodelay(true);
   routes();
 }
 
@@ -137,7 +162,8 @@ void HttpServer::routes() {
   });
 
   svr_->Get("/openapi.json", [this](const httplib::Request&, httplib::Response& res) {
-    res.set_content(dump(openapi_spec(o_.model_name, engine_.context())), "application/json");
+    res.set_content(dump(openapi_spec(o_.model_name, engine_.context(), std::min(kMaxChoices, engine_.max_batch()))),
+                    "application/json");
   });
 
   svr_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
@@ -173,14 +199,17 @@ void HttpServer::routes() {
         gr.sampling = r.sampling;
         gr.top_logprobs = r.top_logprobs;
         gr.ignore_eos = r.ignore_eos;
+        gr.n = r.n;
         const int64_t prompt_tokens = int64_t(gr.prompt.size());
         g = std::make_shared<Generation>(std::move(r), tok_, metrics_);
         try {
           g->stream = engine_.submit(std::move(gr));
         } catch (const EngineStopped& e) {
           throw ApiError(503, e.what());
+        } catch (const RequestError& e) {
+          throw ApiError(400, e.what(), e.field);
         } catch (const Error& e) {
-          throw ApiError(400, e.what(), std::string(e.what()).find("token id") == 0 ? "prompt" : "max_tokens");
+          throw ApiError(400, e.what());
         }
         g->c.id = new_id(endpoint);
         g->c.model = o_.model_name;
@@ -194,10 +223,14 @@ void HttpServer::routes() {
       const bool logprobs = g->req.top_logprobs >= 0;
       if (!g->req.stream) {
         try {
-          while (!g->finished) {
+          while (!g->finished()) {
             std::string delta;
-            g->advance(delta, g->c.tokens);
-            g->c.text += delta;
+            std::vector<TokenInfo> tokens;
+            const int i = g->advance(delta, tokens);
+            if (i < 0) continue;
+            Choice& ch = g->c.choices[size_t(i)];
+            ch.text += delta;
+            for (TokenInfo& t : tokens) ch.tokens.push_back(std::move(t));
           }
         } catch (const ApiError& e) {
           g->stream->cancel();
@@ -214,20 +247,27 @@ void HttpServer::routes() {
           "text/event-stream",
           [g, endpoint, logprobs](size_t, httplib::DataSink& sink) {
             auto write = [&](const std::string& s) { return sink.write(s.data(), s.size()); };
-            bool first = true;
             try {
-              while (!g->finished) {
+              // One chunk per event of a choice (its first always, for the chat role), and one
+              // with its finish_reason when it ends.
+              while (!g->finished()) {
                 std::string delta;
                 std::vector<TokenInfo> tokens;
-                g->advance(delta, tokens);
-                if (delta.empty() && tokens.empty() && !first) continue;
-                if (!write(sse(chunk_json(endpoint, g->c, delta, tokens, logprobs, "", first)))) {
-                  g->stream->cancel();  // the client went away
+                const int i = g->advance(delta, tokens);
+                if (i < 0) continue;
+                Generation::ChoiceState& st = g->state[size_t(i)];
+                bool ok = true;
+                if (!delta.empty() || !tokens.empty() || !st.started) {
+                  ok = write(sse(chunk_json(endpoint, g->c, i, delta, tokens, logprobs, "", !st.started)));
+                  st.started = true;
+                }
+                if (ok && st.finished)
+                  ok = write(sse(chunk_json(endpoint, g->c, i, "", {}, false, g->c.choices[size_t(i)].finish_reason, false)));
+                if (!ok) {
+                  g->stream->cancel();  // the client went away: every choice ends
                   return false;
                 }
-                first = false;
               }
-              write(sse(chunk_json(endpoint, g->c, "", {}, false, g->c.finish_reason, first)));
               if (g->req.include_usage) write(sse(usage_chunk_json(endpoint, g->c)));
             } catch (const ApiError& e) {
               g->stream->cancel();

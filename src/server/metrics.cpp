@@ -65,7 +65,7 @@ std::string Metrics::render(const EngineStats& e) const {
   gauge(out, "kestrel_prompt_tokens_total", "Prompt tokens run.", "counter", double(e.prompt_tokens));
   gauge(out, "kestrel_generation_tokens_total", "Tokens generated.", "counter", double(e.generated_tokens));
   gauge(out, "kestrel_requests_running", "Sequences in the running batch.", "gauge", e.running);
-  gauge(out, "kestrel_requests_waiting", "Requests queued for admission.", "gauge", e.waiting);
+  gauge(out, "kestrel_requests_waiting", "Sequences queued for admission (n per request of n choices).", "gauge", e.waiting);
   gauge(out, "kestrel_kv_positions_used", "KV cache positions reserved by running sequences.", "gauge", double(e.kv_used));
   gauge(out, "kestrel_kv_positions_capacity", "KV cache positions in all.", "gauge", double(e.kv_capacity));
   ttft_.render(out, "kestrel_time_to_first_token_seconds", "Time from request to first generated token.");

@@ -126,8 +126,7 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& body) {
     } else {
       throw bad("prompt", std::string("expected a string or a list of token ids, got ") + type_name(p));
     }
-    for (const char* k : {"suffix", "best_of"})
-      if (present(j, k) && !(std::string(k) == "best_of" && j[k] == 1)) throw bad(k, "is not supported");
+    if (present(j, "suffix")) throw bad("suffix", "is not supported");
     if (present(j, "echo") && get_bool(j, "echo")) throw bad("echo", "is not supported");
     if (present(j, "logprobs")) r.top_logprobs = int(get_int(j, "logprobs", 0, 20));
   } else {
@@ -160,7 +159,10 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& body) {
   const int64_t kMaxTokens = 1 << 30;
   if (present(j, "max_completion_tokens")) r.max_tokens = int(get_int(j, "max_completion_tokens", 0, kMaxTokens));
   else if (present(j, "max_tokens")) r.max_tokens = int(get_int(j, "max_tokens", 0, kMaxTokens));
-  if (present(j, "n") && get_int(j, "n", 1, 128) != 1) throw bad("n", "only n = 1 is supported");
+  if (present(j, "n")) r.n = int(get_int(j, "n", 1, kMaxChoices));
+  // best_of = n returns every choice generated, which is what n does; choosing among more is not supported.
+  if (endpoint == Endpoint::Completions && present(j, "best_of") && get_int(j, "best_of", 1, kMaxChoices) != r.n)
+    throw bad("best_of", "only best_of = n is supported");
   if (present(j, "stream")) r.stream = get_bool(j, "stream");
   if (present(j, "stream_options")) {
     const json& so = j["stream_options"];
@@ -243,20 +245,25 @@ json envelope(Endpoint endpoint, const Completion& c, bool chunk) {
 
 json response_json(Endpoint endpoint, const Completion& c, bool logprobs) {
   json r = envelope(endpoint, c, false);
-  json choice = {{"index", 0}};
-  if (endpoint == Endpoint::Chat) choice["message"] = {{"role", "assistant"}, {"content", c.text}};
-  else choice["text"] = c.text;
-  choice["logprobs"] = logprobs ? logprobs_json(endpoint, c.tokens) : json(nullptr);
-  choice["finish_reason"] = c.finish_reason;
-  r["choices"] = json::array({choice});
+  json choices = json::array();
+  for (size_t i = 0; i < c.choices.size(); ++i) {
+    const Choice& ch = c.choices[i];
+    json choice = {{"index", i}};
+    if (endpoint == Endpoint::Chat) choice["message"] = {{"role", "assistant"}, {"content", ch.text}};
+    else choice["text"] = ch.text;
+    choice["logprobs"] = logprobs ? logprobs_json(endpoint, ch.tokens) : json(nullptr);
+    choice["finish_reason"] = ch.finish_reason;
+    choices.push_back(std::move(choice));
+  }
+  r["choices"] = std::move(choices);
   r["usage"] = usage_json(c.usage);
   return r;
 }
 
-json chunk_json(Endpoint endpoint, const Completion& c, const std::string& delta, const std::vector<TokenInfo>& tokens,
-                bool logprobs, const std::string& finish_reason, bool first) {
+json chunk_json(Endpoint endpoint, const Completion& c, int index, const std::string& delta,
+                const std::vector<TokenInfo>& tokens, bool logprobs, const std::string& finish_reason, bool first) {
   json r = envelope(endpoint, c, true);
-  json choice = {{"index", 0}};
+  json choice = {{"index", index}};
   if (endpoint == Endpoint::Chat) {
     json d = json::object();
     if (first) d["role"] = "assistant";

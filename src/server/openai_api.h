@@ -41,10 +41,15 @@ struct ApiRequest {
   std::vector<std::string> stop;
   int top_logprobs = -1;                  // -1: no log-probabilities
   bool ignore_eos = false;
+  int n = 1;                              // choices, 1..kMaxChoices
 };
 
+// The most choices (`n`) one request may ask for; a server also refuses more than it runs at
+// once (--max-batch).
+constexpr int kMaxChoices = 16;
+
 // Parses a request body. Throws ApiError (400) on invalid JSON, wrong types, missing fields,
-// values out of range and options kestrel does not support (n > 1, best_of, suffix, tools).
+// values out of range and options kestrel does not support (best_of other than n, suffix, tools).
 ApiRequest parse_request(Endpoint endpoint, const std::string& body);
 
 // One generated token's log-probability and its best alternatives, as text.
@@ -58,22 +63,29 @@ struct Usage {
   int64_t prompt_tokens = 0, completion_tokens = 0;
 };
 
-// The pieces of one response; `finish_reason` "stop" or "length".
-struct Completion {
-  std::string id, model;
-  int64_t created = 0;
+// One choice of a response; `finish_reason` "stop" or "length".
+struct Choice {
   std::string text;
   std::vector<TokenInfo> tokens;  // with log-probabilities requested
   std::string finish_reason;
+};
+
+// The pieces of one response: its choices in index order, usage over all of them (the prompt
+// once, the completion tokens of every choice).
+struct Completion {
+  std::string id, model;
+  int64_t created = 0;
+  std::vector<Choice> choices;
   Usage usage;
 };
 
 json response_json(Endpoint endpoint, const Completion& c, bool logprobs);
 
-// A streamed chunk: text (and tokens) generated since the last chunk; finish_reason empty until
-// the last one. `first` marks the chat chunk that carries the assistant role.
-json chunk_json(Endpoint endpoint, const Completion& c, const std::string& delta, const std::vector<TokenInfo>& tokens,
-                bool logprobs, const std::string& finish_reason, bool first);
+// A streamed chunk of choice `index`: text (and tokens) generated since its last chunk;
+// finish_reason empty until its last one. `first` marks the chat chunk that carries the assistant
+// role (the first of each choice).
+json chunk_json(Endpoint endpoint, const Completion& c, int index, const std::string& delta,
+                const std::vector<TokenInfo>& tokens, bool logprobs, const std::string& finish_reason, bool first);
 // The final usage-only chunk (stream_options.include_usage).
 json usage_chunk_json(Endpoint endpoint, const Completion& c);
 

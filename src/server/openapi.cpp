@@ -9,7 +9,7 @@ json error_response(const char* what) {
 }
 
 // Fields both generation endpoints take.
-json common_properties(const std::string& model, int64_t context) {
+json common_properties(const std::string& model, int64_t context, int max_n) {
   return {
       {"model", {{"type", "string"}, {"enum", json::array({model})}}},
       {"max_tokens", {{"type", "integer"}, {"minimum", 0}, {"maximum", context}}},
@@ -23,7 +23,12 @@ json common_properties(const std::string& model, int64_t context) {
       {"stop", {{"oneOf", json::array({{{"type", "string"}, {"minLength", 1}},
                                        {{"type", "array"}, {"maxItems", 4}, {"items", {{"type", "string"}, {"minLength", 1}}}}})}}},
       {"stream", {{"type", "boolean"}}},
-      {"n", {{"type", "integer"}, {"minimum", 1}, {"maximum", 1}}},
+      {"n", {{"type", "integer"},
+             {"minimum", 1},
+             {"maximum", max_n},
+             {"description", "choices, each its own sequence of the same prompt, run side by side; with a seed, "
+                             "choice i samples with a seed derived from it and i. Also refused (400) when n "
+                             "sequences of prompt + max_tokens do not fit the KV cache at once"}}},
   };
 }
 
@@ -43,13 +48,13 @@ json generation_path(const char* summary, const json& schema) {
 
 }  // namespace
 
-json openapi_spec(const std::string& model, int64_t context) {
-  json completion = {{"type", "object"}, {"required", json::array({"model", "prompt"})}, {"properties", common_properties(model, context)}};
+json openapi_spec(const std::string& model, int64_t context, int max_n) {
+  json completion = {{"type", "object"}, {"required", json::array({"model", "prompt"})}, {"properties", common_properties(model, context, max_n)}};
   completion["properties"]["prompt"] = {
       {"oneOf", json::array({{{"type", "string"}, {"minLength", 1}},
                              {{"type", "array"}, {"minItems", 1}, {"items", {{"type", "integer"}, {"minimum", 0}}}}})}};
   completion["properties"]["logprobs"] = {{"type", "integer"}, {"minimum", 0}, {"maximum", 20}};
-  json chat = {{"type", "object"}, {"required", json::array({"model", "messages"})}, {"properties", common_properties(model, context)}};
+  json chat = {{"type", "object"}, {"required", json::array({"model", "messages"})}, {"properties", common_properties(model, context, max_n)}};
   chat["properties"]["messages"] = {
       {"type", "array"},
       {"minItems", 1},

@@ -8,6 +8,7 @@
 
 namespace kestrel::server {
 
-json openapi_spec(const std::string& model_name, int64_t context);
+// `max_n`: the most choices a request may ask for here (kMaxChoices, or fewer with a smaller --max-batch).
+json openapi_spec(const std::string& model_name, int64_t context, int max_n);
 
 }  // namespace kestrel::server

@@ -7,38 +7,14 @@ and the command exits 1. Standard library only.
 Usage: test_loadgen_serve.py KESTREL_BINARY MODEL_PATH. Exits 77 (skipped) when the model is absent."""
 import json
 import os
-import re
 import subprocess
-import sys
 import tempfile
-import threading
 
-BIN, MODEL = sys.argv[1], sys.argv[2]
-if not os.path.exists(MODEL):
-    print(f"skipped: {MODEL} is absent (scripts/fetch_model.sh)")
-    sys.exit(77)
-NAME, KEY = "smollm2", "sekrit"
-failures = []
+from serve_harness import NAME, arguments, check, finish, start_server, stop_server
 
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        failures.append(what)
-
-
-server = subprocess.Popen([BIN, "serve", "--model", MODEL, "--port", "0", "--served-model-name", NAME, "--api-key", KEY,
-                           "--context", "512", "--max-batch", "8"], stderr=subprocess.PIPE, text=True)
-port = None
-for line in server.stderr:
-    m = re.search(r"on http://[\d.]+:(\d+)", line)
-    if m:
-        port = int(m.group(1))
-        threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()  # keep draining
-        break
-if port is None:
-    print("FAIL the server did not start")
-    sys.exit(1)
+BIN, MODEL = arguments()
+KEY = "sekrit"
+server, port = start_server(BIN, MODEL, "--api-key", KEY, "--context", "512", "--max-batch", "8")
 
 
 def loadgen(*args, requests=16):
@@ -84,10 +60,6 @@ try:
     check(r["summary"]["errors"] == 4 and "HTTP 401" in out and "4 of 4 requests failed" in out,
           "wrong key: every request fails with HTTP 401, and the command says so")
 finally:
-    server.terminate()
-    server.wait(timeout=60)
+    stop_server(server, timeout=60)
 
-if failures:
-    print(f"{len(failures)} checks failed")
-    sys.exit(1)
-print("all checks passed")
+finish()

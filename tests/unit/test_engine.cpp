@@ -1,8 +1,10 @@
 // The server's engine loop on a fixture model: a request gives the same tokens alone or among
 // many (greedy and seeded sampling), prompts longer than a prefill chunk, cancellation frees the
-// KV positions, admission waits for room and refuses what can never fit, shutdown ends streams.
+// KV positions, admission waits for room and refuses what can never fit, shutdown ends streams;
+// requests of n choices (seeds per choice, admitted together, cancelled together).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <thread>
 
 #include "fixture.h"
@@ -26,6 +28,29 @@ Result drain(RequestStream& s) {
     else r.finish = e.finish, r.error = e.error;
   }
   return r;
+}
+
+// The results of a request's choices by index.
+std::vector<Result> drain_choices(RequestStream& s) {
+  std::vector<Result> r(size_t(s.choices()));
+  TokenEvent e;
+  while (s.next(e)) {
+    Result& c = r.at(size_t(e.index));
+    EXPECT_EQ(c.finish, Finish::None) << "an event of choice " << e.index << " after its end";
+    if (e.finish == Finish::None) c.tokens.push_back(e.token);
+    else c.finish = e.finish, c.error = e.error;
+  }
+  return r;
+}
+
+// The field a refused request is blamed on.
+std::string refused(Engine& e, GenerationRequest r) {
+  try {
+    e.submit(std::move(r));
+  } catch (const RequestError& err) {
+    return err.field;
+  }
+  return "<accepted>";
 }
 
 GenerationRequest request(std::vector<int32_t> prompt, int max_tokens, float temperature = 0.0f, uint64_t seed = 0) {
@@ -106,15 +131,27 @@ TEST_F(EngineTest, SplitModelGivesTheUnsplitTokens) {
 TEST_F(EngineTest, RefusesWhatCanNeverRun) {
   EngineOptions o;
   o.context = 32;
-  o.kv_tokens = 16;  // one block of 16 positions
+  o.kv_tokens = 32;  // two blocks of 16 positions
+  o.max_batch = 4;
   o.threads = 1;
   Engine e(*model_, o);
-  EXPECT_THROW(e.submit(request({}, 4)), Error);                              // empty prompt
-  EXPECT_THROW(e.submit(request({1, int32_t(model_->config.vocab_size)}, 4)), Error);  // token id
-  EXPECT_THROW(e.submit(request({1, 2, 3}, 30)), Error);                      // past the context
-  EXPECT_THROW(e.submit(request({1, 2, 3}, 14)), Error);                      // more than the KV cache (2 blocks)
-  EXPECT_THROW(e.submit(request({1, 2}, -1)), Error);
-  const Result r = drain(*e.submit(request({1, 2}, 0)));
+  EXPECT_EQ(refused(e, request({}, 4)), "prompt");
+  EXPECT_EQ(refused(e, request({1, int32_t(model_->config.vocab_size)}, 4)), "prompt");  // token id
+  EXPECT_EQ(refused(e, request({1, 2, 3}, 30)), "max_tokens");  // past the context
+  EXPECT_EQ(refused(e, request({1, 2}, -1)), "max_tokens");
+  GenerationRequest many = request({1, 2, 3}, 4);
+  many.n = 5;  // more choices than run at once
+  EXPECT_EQ(refused(e, many), "n");
+  many.n = 3;  // three sequences of one block each, two blocks in all
+  EXPECT_EQ(refused(e, many), "n");
+  many.n = 0;
+  EXPECT_EQ(refused(e, many), "n");
+  many.n = 2;
+  for (const Result& r : drain_choices(*e.submit(many))) EXPECT_EQ(r.tokens.size(), 4u);
+  o.kv_tokens = 16;
+  Engine one_block(*model_, o);
+  EXPECT_EQ(refused(one_block, request({1, 2, 3}, 14)), "max_tokens");  // more than the KV cache (2 blocks)
+  const Result r = drain(*one_block.submit(request({1, 2}, 0)));
   EXPECT_TRUE(r.tokens.empty());
   EXPECT_EQ(r.finish, Finish::Length);
 }
@@ -172,6 +209,121 @@ TEST_F(EngineTest, ShutdownEndsEveryStream) {
   e->shutdown(0.0);
   for (auto& x : s) EXPECT_EQ(drain(*x).finish, Finish::Cancelled);
   EXPECT_THROW(e->submit(request({1}, 1)), EngineStopped);
+}
+
+TEST(ChoiceSeed, ChoiceZeroKeepsTheSeedOthersDiffer) {
+  EXPECT_EQ(choice_seed(7, 0), 7u);
+  std::vector<uint64_t> seen;
+  for (uint64_t seed : {0ull, 1ull, 2ull})
+    for (int i = 0; i < 16; ++i) seen.push_back(choice_seed(seed, i));
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(std::unique(seen.begin(), seen.end()), seen.end()) << "two (seed, choice) pairs share a seed";
+  EXPECT_EQ(choice_seed(5, 3), choice_seed(5, 3));
+}
+
+// Choice i of a request is the request with n = 1 and choice i's seed: greedy choices are all
+// the n = 1 result, sampled ones differ from each other and are reproducible.
+TEST_F(EngineTest, ChoicesAreSequencesOfTheirOwn) {
+  EngineOptions o;
+  o.max_batch = 8;
+  o.context = 64;
+  o.prefill_chunk = 4;
+  o.threads = 1;
+  Engine e(*model_, o);
+  const std::vector<int32_t> prompt = {3, 17, 5, 9, 11, 2};
+  GenerationRequest greedy = request(prompt, 7);
+  const Result one = drain(*e.submit(greedy));
+  greedy.n = 3;
+  const std::vector<Result> three = drain_choices(*e.submit(greedy));
+  ASSERT_EQ(three.size(), 3u);
+  for (const Result& r : three) {
+    EXPECT_EQ(r.tokens, one.tokens);
+    EXPECT_EQ(r.finish, Finish::Length);
+  }
+
+  GenerationRequest sampled = request(prompt, 8, 4.0f, 42);  // hot: the fixture's logits are sharp
+  sampled.n = 4;
+  const std::vector<Result> a = drain_choices(*e.submit(sampled));
+  const std::vector<Result> b = drain_choices(*e.submit(sampled));
+  ASSERT_EQ(a.size(), 4u);
+  bool differ = false;
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(a[size_t(i)].tokens, b[size_t(i)].tokens) << "choice " << i << " is not reproducible";
+    EXPECT_EQ(a[size_t(i)].tokens.size(), 8u);
+    const Result alone = drain(*e.submit(request(prompt, 8, 4.0f, choice_seed(42, i))));
+    EXPECT_EQ(a[size_t(i)].tokens, alone.tokens) << "choice " << i;
+    differ = differ || a[size_t(i)].tokens != a[0].tokens;
+  }
+  EXPECT_TRUE(differ) << "four sampled choices are all the same";
+  const EngineStats st = e.stats();
+  EXPECT_EQ(st.kv_used, 0);
+  EXPECT_EQ(st.generated_tokens, 7 + 3 * 7 + 2 * 4 * 8 + 4 * 8);
+}
+
+// A request's choices are admitted together: while one sequence runs and there is room for one
+// more, a request of n = 2 waits whole (never half admitted), then every choice runs to its end.
+TEST_F(EngineTest, ChoicesAreAdmittedTogether) {
+  EngineOptions o;
+  o.max_batch = 2;
+  o.context = 256;
+  o.threads = 1;
+  Engine e(*model_, o);
+  auto sa = e.submit(request({1, 2, 3}, 240));
+  TokenEvent ev;
+  ASSERT_TRUE(sa->next(ev));  // running
+  GenerationRequest b = request({4, 5, 6}, 12);
+  b.n = 2;
+  auto sb = e.submit(b);
+  for (int i = 0; i < 20; ++i) {
+    const EngineStats st = e.stats();
+    EXPECT_TRUE(st.waiting == 0 || st.waiting == 2) << st.waiting << " of the request's 2 sequences wait";
+    EXPECT_LE(st.running, 2);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  sa->cancel();
+  drain(*sa);
+  const std::vector<Result> rb = drain_choices(*sb);
+  for (const Result& r : rb) {
+    EXPECT_EQ(r.tokens.size(), 12u);
+    EXPECT_EQ(r.finish, Finish::Length);
+  }
+  EXPECT_EQ(rb[0].tokens, rb[1].tokens);  // greedy
+}
+
+// Cancelling a request ends all of its choices and frees their positions; cancelling one choice
+// (a stop string) ends only that one.
+TEST_F(EngineTest, CancelEndsEveryChoice) {
+  EngineOptions o;
+  o.context = 256;
+  o.kv_tokens = 768;  // three sequences of 203 positions (208 in blocks)
+  o.threads = 1;
+  Engine e(*model_, o);
+  GenerationRequest r = request({1, 2, 3}, 200);
+  r.n = 3;
+  // As in CancelFreesTheSequence, the engine may finish before a cancel reaches it; it must lose
+  // that race every time of several for the test to fail.
+  auto cancel_after_one_token = [&](int choice) {
+    for (int attempt = 0; attempt < 5; ++attempt) {
+      auto s = e.submit(r);
+      TokenEvent ev;
+      EXPECT_TRUE(s->next(ev));
+      if (choice < 0) s->cancel();
+      else s->cancel(choice);
+      const std::vector<Result> rest = drain_choices(*s);
+      bool as_asked = true;
+      for (int i = 0; i < 3; ++i) {
+        const Finish want = choice < 0 || choice == i ? Finish::Cancelled : Finish::Length;
+        if (i != choice && choice >= 0) EXPECT_EQ(rest[size_t(i)].finish, Finish::Length) << "choice " << i;
+        as_asked = as_asked && rest[size_t(i)].finish == want;
+      }
+      if (as_asked) return true;
+    }
+    return false;
+  };
+  EXPECT_TRUE(cancel_after_one_token(-1)) << "200 tokens finished before the cancel in all 5 attempts";
+  EXPECT_EQ(e.stats().kv_used, 0);
+  EXPECT_TRUE(cancel_after_one_token(1)) << "200 tokens finished before the cancel in all 5 attempts";
+  EXPECT_EQ(e.stats().kv_used, 0);
 }
 
 }  // namespace

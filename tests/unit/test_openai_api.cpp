@@ -38,6 +38,10 @@ TEST(OpenAiApi, ParsesCompletions) {
   EXPECT_EQ(r.top_logprobs, 2);
   EXPECT_FLOAT_EQ(r.sampling.presence_penalty, 0.5f);
   EXPECT_FLOAT_EQ(r.sampling.frequency_penalty, -0.5f);
+  EXPECT_EQ(completion(R"({"model":"m","prompt":"x"})").n, 1);
+  EXPECT_EQ(completion(R"({"model":"m","prompt":"x","n":3})").n, 3);
+  EXPECT_EQ(completion(R"({"model":"m","prompt":"x","n":16,"best_of":16})").n, 16);
+  EXPECT_EQ(chat(R"({"model":"m","messages":[{"role":"user","content":"x"}],"n":2})").n, 2);
   EXPECT_EQ(completion(R"({"model":"m","prompt":[1,2,3]})").prompt_tokens, (std::vector<int32_t>{1, 2, 3}));
   EXPECT_EQ(completion(R"({"model":"m","prompt":[[4,5]]})").prompt_tokens, (std::vector<int32_t>{4, 5}));
   EXPECT_EQ(completion(R"({"model":"m","prompt":["x"]})").prompt, "x");
@@ -78,7 +82,13 @@ TEST(OpenAiApi, RejectsInvalidRequests) {
   EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","temperature":3})"), "temperature");
   EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","temperature":"hot"})"), "temperature");
   EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","top_p":0})"), "top_p");
-  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","n":2})"), "n");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","n":0})"), "n");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","n":17})"), "n");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","n":1.5})"), "n");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","n":"2"})"), "n");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","n":2,"best_of":3})"), "best_of");
+  EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","best_of":2})"), "best_of");
+  EXPECT_EQ(blamed(H, R"({"model":"m","messages":[{"role":"user","content":"x"}],"n":17})"), "n");
   EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","stream":"yes"})"), "stream");
   EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","stream_options":{"include_usage":true}})"), "stream_options");
   EXPECT_EQ(blamed(C, R"({"model":"m","prompt":"x","stop":["a","b","c","d","e"]})"), "stop");
@@ -105,12 +115,14 @@ TEST(OpenAiApi, BuildsResponsesAndChunks) {
   c.id = "chatcmpl-1";
   c.model = "m";
   c.created = 5;
-  c.text = "hello";
-  c.finish_reason = "stop";
+  c.choices.resize(1);
+  c.choices[0].text = "hello";
+  c.choices[0].finish_reason = "stop";
   c.usage = {3, 2};
-  c.tokens = {{"hel", -0.5f, {{"hel", -0.5f}, {"he", -1.5f}}}, {"lo", -0.25f, {}}};
+  c.choices[0].tokens = {{"hel", -0.5f, {{"hel", -0.5f}, {"he", -1.5f}}}, {"lo", -0.25f, {}}};
   const json r = response_json(Endpoint::Chat, c, true);
   EXPECT_EQ(r["object"], "chat.completion");
+  EXPECT_EQ(r["choices"][0]["index"], 0);
   EXPECT_EQ(r["choices"][0]["message"]["content"], "hello");
   EXPECT_EQ(r["choices"][0]["finish_reason"], "stop");
   EXPECT_EQ(r["usage"]["total_tokens"], 5);
@@ -119,12 +131,13 @@ TEST(OpenAiApi, BuildsResponsesAndChunks) {
   EXPECT_EQ(t["object"], "text_completion");
   EXPECT_EQ(t["choices"][0]["text"], "hello");
   EXPECT_EQ(t["choices"][0]["logprobs"]["text_offset"][1], 3);
-  const json first = chunk_json(Endpoint::Chat, c, "he", {}, false, "", true);
+  const json first = chunk_json(Endpoint::Chat, c, 0, "he", {}, false, "", true);
   EXPECT_EQ(first["object"], "chat.completion.chunk");
+  EXPECT_EQ(first["choices"][0]["index"], 0);
   EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
   EXPECT_EQ(first["choices"][0]["delta"]["content"], "he");
   EXPECT_TRUE(first["choices"][0]["finish_reason"].is_null());
-  const json last = chunk_json(Endpoint::Chat, c, "", {}, false, "length", false);
+  const json last = chunk_json(Endpoint::Chat, c, 0, "", {}, false, "length", false);
   EXPECT_TRUE(last["choices"][0]["delta"].empty());
   EXPECT_EQ(last["choices"][0]["finish_reason"], "length");
   const json u = usage_chunk_json(Endpoint::Chat, c);
@@ -135,6 +148,38 @@ TEST(OpenAiApi, BuildsResponsesAndChunks) {
   EXPECT_EQ(err["error"]["type"], "not_found_error");
   EXPECT_EQ(err["error"]["param"], "model");
   EXPECT_EQ(err["error"]["code"], "model_not_found");
+}
+
+// n choices: indices 0..n-1 in order, each with its own text, log-probabilities and finish;
+// chunks carry the index of their choice.
+TEST(OpenAiApi, BuildsSeveralChoices) {
+  Completion c;
+  c.id = "cmpl-1";
+  c.model = "m";
+  c.choices = {{"a", {{"a", -0.1f, {}}}, "length"}, {"bc", {{"b", -1.0f, {}}, {"c", -2.0f, {}}}, "stop"}};
+  c.usage = {4, 3};
+  for (Endpoint e : {Endpoint::Completions, Endpoint::Chat}) {
+    const json r = response_json(e, c, true);
+    ASSERT_EQ(r["choices"].size(), 2u);
+    EXPECT_EQ(r["choices"][1]["index"], 1);
+    EXPECT_EQ(r["choices"][1]["finish_reason"], "stop");
+    EXPECT_EQ(r["usage"]["completion_tokens"], 3);
+    EXPECT_EQ(r["usage"]["total_tokens"], 7);
+  }
+  const json t = response_json(Endpoint::Completions, c, true);
+  EXPECT_EQ(t["choices"][0]["text"], "a");
+  EXPECT_EQ(t["choices"][1]["text"], "bc");
+  EXPECT_EQ(t["choices"][1]["logprobs"]["tokens"], json({"b", "c"}));
+  EXPECT_EQ(t["choices"][1]["logprobs"]["text_offset"], json({0, 1}));
+  const json h = response_json(Endpoint::Chat, c, false);
+  EXPECT_EQ(h["choices"][1]["message"]["content"], "bc");
+  EXPECT_TRUE(h["choices"][1]["logprobs"].is_null());
+  const json k = chunk_json(Endpoint::Completions, c, 1, "x", {{"x", -0.5f, {}}}, true, "", false);
+  ASSERT_EQ(k["choices"].size(), 1u);
+  EXPECT_EQ(k["choices"][0]["index"], 1);
+  EXPECT_EQ(k["choices"][0]["text"], "x");
+  EXPECT_EQ(k["choices"][0]["logprobs"]["tokens"], json({"x"}));
+  EXPECT_EQ(chunk_json(Endpoint::Chat, c, 1, "", {}, false, "stop", false)["choices"][0]["index"], 1);
 }
 
 }  // namespace
