@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <random>
 
 #include "common/error.h"
 #include "runtime/sampler.h"
@@ -22,6 +23,17 @@ double seconds_since(clock_type::time_point t) { return std::chrono::duration<do
 
 int64_t unix_now() {
   return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// The seed of a request that gave none: sampled requests without a seed differ from call to
+// call, as with OpenAI's API (a request with a seed repeats). A counter from a random start,
+// mixed (splitmix64), so concurrent requests never share one.
+uint64_t fresh_seed() {
+  static std::atomic<uint64_t> next{(uint64_t(std::random_device{}()) << 32) ^ uint64_t(unix_now())};
+  uint64_t z = next.fetch_add(0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
 }
 
 std::string new_id(Endpoint e) {
@@ -197,6 +209,7 @@ void HttpServer::routes() {
                          endpoint == Endpoint::Chat ? "messages" : "prompt");
         gr.max_tokens = r.max_tokens ? *r.max_tokens : int(endpoint == Endpoint::Chat ? room : std::min<int64_t>(16, room));
         gr.sampling = r.sampling;
+        if (!r.seeded) gr.sampling.seed = fresh_seed();
         gr.top_logprobs = r.top_logprobs;
         gr.ignore_eos = r.ignore_eos;
         gr.n = r.n;

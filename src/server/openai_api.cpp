@@ -183,7 +183,10 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& body) {
   if (present(j, "presence_penalty")) s.presence_penalty = float(get_number(j, "presence_penalty", -2, 2));
   if (present(j, "frequency_penalty")) s.frequency_penalty = float(get_number(j, "frequency_penalty", -2, 2));
   if (present(j, "repetition_penalty")) s.repetition_penalty = float(get_number(j, "repetition_penalty", 0.01, 100));
-  if (present(j, "seed")) s.seed = uint64_t(get_int(j, "seed", std::numeric_limits<int64_t>::min() / 2, std::numeric_limits<int64_t>::max() / 2));
+  if (present(j, "seed")) {
+    s.seed = uint64_t(get_int(j, "seed", std::numeric_limits<int64_t>::min() / 2, std::numeric_limits<int64_t>::max() / 2));
+    r.seeded = true;
+  }
   if (present(j, "ignore_eos")) r.ignore_eos = get_bool(j, "ignore_eos");
   if (present(j, "stop")) {
     const json& st = j["stop"];

@@ -38,6 +38,7 @@ struct ApiRequest {
   std::optional<int> max_tokens;          // absent: 16 for completions, the rest of the context for chat
   bool stream = false, include_usage = false;
   SamplerOptions sampling;
+  bool seeded = false;                    // the request gave a seed (otherwise the server draws one)
   std::vector<std::string> stop;
   int top_logprobs = -1;                  // -1: no log-probabilities
   bool ignore_eos = false;

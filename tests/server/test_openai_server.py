@@ -224,6 +224,10 @@ try:
           "seeded n = 3: choice 0 is the n = 1 result with that seed")
     texts, _, _ = by_choice(client.completions.create(n=3, stream=True, **seeded), chat=False)
     check(texts == dict(enumerate(a)), "seeded n = 3 streamed: the same choices")
+    # Without a seed the server draws one per request: sampled requests differ from call to call.
+    unseeded = {k: v for k, v in seeded.items() if k != "seed"}
+    runs = {client.completions.create(**unseeded).choices[0].text for _ in range(3)}
+    check(len(runs) > 1, f"unseeded sampled requests differ from call to call {sorted(runs)}")
 
     # Log-probabilities per choice: greedy choices carry the n = 1 values, sampled ones their own.
     lp2 = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=4, temperature=0, logprobs=True,
