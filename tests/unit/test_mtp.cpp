@@ -208,6 +208,73 @@ TEST(Mtp, MissingTensorIsNamed) {
   EXPECT_NE(msg.find(std::string("missing tensor '") + t + "'"), std::string::npos) << msg;
 }
 
+// A quantized checkpoint's MTP layer: the fixture with its last layer's tensors copied to the MTP
+// slot (quantized or not by the same settings), an NVFP4 eh_proj, neither shared_head.head nor
+// embed_tokens, and num_nextn_predict_layers 1 in config.json. Loads, and the two paths agree.
+void quantized_mtp_layer_loads_and_runs(const std::string& fixture) {
+  SCOPED_TRACE(fixture);
+  const std::string dir = test::fixture_dir(fixture);
+  nlohmann::json cfg = read_json_file(dir + "/config.json");
+  const int64_t L = cfg.at("num_hidden_layers").get<int64_t>(), H = cfg.at("hidden_size").get<int64_t>();
+  cfg["num_nextn_predict_layers"] = 1;
+  const bool ct = cfg.at("quantization_config").at("quant_method") == "compressed-tensors";
+  Checkpoint ck(dir);
+  std::vector<test::StTensor> ts;
+  auto copy = [](const std::string& name, const TensorView& t) {
+    return test::StTensor{name, std::string(dtype_name(t.dtype)), t.shape, std::vector<uint8_t>(t.data, t.data + t.nbytes)};
+  };
+  const std::string from = cat("model.layers.", L - 1, "."), to = cat("model.layers.", L, ".");
+  for (const auto& [name, t] : ck.tensors()) {
+    ts.push_back(copy(name, *t));
+    if (name.compare(0, from.size(), from) == 0) ts.push_back(copy(to + name.substr(from.size()), *t));
+  }
+  auto ones = [&](const std::string& n) {
+    std::vector<uint8_t> b;
+    for (int64_t i = 0; i < H; ++i) b.insert(b.end(), {0x80, 0x3f});  // BF16 1.0
+    ts.push_back({n, "BF16", {H}, b});
+  };
+  ones(to + "enorm.weight");
+  ones(to + "hnorm.weight");
+  ones(to + "shared_head.norm.weight");
+  std::vector<uint8_t> codes(size_t(H * H));
+  for (size_t i = 0; i < codes.size(); ++i) codes[i] = uint8_t((i * 37 + 11) & 0x77);  // small magnitudes, both signs
+  ts.push_back({to + (ct ? "eh_proj.weight_packed" : "eh_proj.weight"), "U8", {H, H}, codes});
+  ts.push_back({to + "eh_proj.weight_scale", "F8_E4M3", {H, 2 * H / 16}, std::vector<uint8_t>(size_t(H * 2 * H / 16), 0x30)});
+  if (ct) ts.push_back({to + "eh_proj.weight_global_scale", "F32", {1}, test::f32_bytes({20.0f})});
+  else ts.push_back({to + "eh_proj.weight_scale_2", "F32", {}, test::f32_bytes({0.05f})});
+  test::TempDir tmp;
+  std::ofstream(tmp.path() / "config.json") << cfg.dump();
+  test::write_file(tmp.path() / "model.safetensors", test::safetensors_image(ts));
+
+  auto model = load_model(tmp.path().string());
+  ASSERT_EQ(model->weights.mtp.size(), 1u);
+  const MtpLayer& m = model->weights.mtp[0];
+  const LayerWeights& last = model->weights.layers.back();
+  EXPECT_EQ(m.eh_proj.format, WeightFormat::NVFP4);
+  EXPECT_NEAR(m.eh_proj.scale2, 0.05f, 1e-7f);
+  EXPECT_EQ(m.layer.is_moe, last.is_moe);
+  const Linear& down = m.layer.is_moe ? m.layer.moe.experts[0].down : m.layer.mlp.down;
+  EXPECT_EQ(down.format, WeightFormat::NVFP4);
+  EXPECT_EQ(down.scale2, (last.is_moe ? last.moe.experts[0].down : last.mlp.down).scale2);
+  EXPECT_EQ(m.head.data, model->weights.lm_head.data);
+  EXPECT_EQ(m.embed.data, model->weights.embed.data);
+  const test::Reference ref = test::load_reference(dir);
+  const int64_t T = int64_t(ref.tokens.size()), V = ref.vocab;
+  const std::vector<float> prefill = mtp_logits(*model, ref.tokens, false), decode = mtp_logits(*model, ref.tokens, true);
+  double sq = 0;
+  for (float v : prefill) {
+    ASSERT_TRUE(std::isfinite(v));
+    sq += double(v) * v;
+  }
+  EXPECT_GT(sq, 0.0);
+  EXPECT_LE(worst_error(decode, prefill, T - 1, V), 1e-5);
+}
+
+TEST(Mtp, QuantizedMtpLayersLoadAndRun) {
+  quantized_mtp_layer_loads_and_runs("deepseekv3-nvfp4");  // ModelOpt, MLA, NVFP4 experts
+  quantized_mtp_layer_loads_and_runs("qwen3-nvfp4-ct");    // compressed-tensors (a GQA layer)
+}
+
 TEST(Mtp, CliWritesMtpLogits) {
   const std::string dir = test::fixture_dir(kFixture);
   const test::Reference ref = test::load_reference(dir);
