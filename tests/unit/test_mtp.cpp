@@ -203,6 +203,23 @@ TEST(Mtp, MissingTensorIsNamed) {
     const std::string msg = load_error_without(kFixture, t);
     EXPECT_NE(msg.find(std::string("missing tensor '") + t + "'"), std::string::npos) << t << ": " << msg;
   }
+  // two MTP layers announced, one present
+  {
+    const std::string dir = test::fixture_dir(kFixture);
+    nlohmann::json cfg = read_json_file(dir + "/config.json");
+    cfg["num_nextn_predict_layers"] = 2;
+    test::TempDir tmp;
+    std::ofstream(tmp.path() / "config.json") << cfg.dump();
+    std::filesystem::copy_file(dir + "/model.safetensors", tmp.path() / "model.safetensors");
+    std::string msg;
+    try {
+      load_model(tmp.path().string());
+    } catch (const Error& e) {
+      msg = e.what();
+    }
+    EXPECT_NE(msg.find("missing tensor 'model.layers.4.eh_proj.weight' (1 of 2 MTP layers present"), std::string::npos)
+        << msg;
+  }
   const char* t = "model.layers.3.self_attn.indexer.wk.weight";
   const std::string msg = load_error_without("glm5-bf16", t);
   EXPECT_NE(msg.find(std::string("missing tensor '") + t + "'"), std::string::npos) << msg;
