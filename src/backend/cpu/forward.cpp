@@ -229,9 +229,9 @@ const MtpLayer& Forward::mtp_layer(size_t k) const {
 }
 
 KvCache Forward::make_mtp_cache(int64_t capacity, size_t k) const {
+  const MtpLayer& m = mtp_layer(k);
   KvLayout layout = kv_layout_of(c_);
-  if (!layout.index_layer.empty()) layout.index_layer = {mtp_layer(k).layer.mla.has_indexer};
-  else mtp_layer(k);
+  if (!layout.index_layer.empty()) layout.index_layer = {m.layer.mla.has_indexer};  // one layer: its own
   return KvCache(1, layout, capacity);
 }
 
