@@ -15,7 +15,8 @@ logits that transformers computes for a short random prompt.
 Files per fixture folder:
     config.json, generation_config.json, model.safetensors (or shards plus
     model.safetensors.index.json), hf_quant_config.json (some NVFP4 ones),
-    reference.json and reference_logits.f32 (float32 LE, row-major [T, vocab]).
+    reference.json and reference_logits.f32 (float32 LE, row-major [T, vocab]);
+    fixtures with an MTP layer also reference_mtp_logits.f32 ([T - 1, vocab]).
 
 The reference is one forward pass of the prompt through the transformers model
 in float32 (eval, eager attention) holding exactly the values stored on disk:
@@ -97,6 +98,7 @@ class Spec:
     quant_location: str = "config"  # modelopt: "config" | "hf_quant_config" | "both"
     exclude: list = field(default_factory=list)  # modelopt exclude_modules / compressed-tensors ignore
     straddle: bool = False  # put one quantized module's tensors into two different shards
+    mtp: bool = False  # add the multi-token-prediction layer's weights and reference MTP logits
 
 
 def _base(**kw):
@@ -278,7 +280,11 @@ FIXTURES += [
         "[heads x 24, 64]), kv_lora_rank 32, qk_nope 16, qk_rope 8, v_head 16; rope_interleave false "
         "(rotate-half on the rope part), default rope; layer 0 dense, layers 1-2 MoE with a shared "
         "expert, sigmoid router with correction bias, n_group 2 / topk_group 1, top-3, scaling 2.5; "
-        "per-expert hub names.",
+        "per-expert hub names. num_nextn_predict_layers 1 with the MTP layer's weights at "
+        "model.layers.3 (enorm, hnorm, eh_proj, an MoE decoder layer, shared_head.norm and "
+        "shared_head.head; no embed_tokens: the main embedding) and reference MTP logits "
+        "[prompt - 1, vocab] (reference_mtp_logits.f32).",
+        mtp=True,
     ),
     Spec(
         "deepseekv3-nvfp4", "deepseek_v3", "nvfp4-modelopt", 114,
@@ -296,13 +302,18 @@ FIXTURES += [
     Spec(
         "glm5-bf16", "glm_moe_dsa", "bf16", 115,
         _mla(index_topk=4, index_head_dim=16, index_n_heads=4, indexer_types=["full", "shared", "full"],
-             rope_parameters=_rope(10000.0)),
+             num_nextn_predict_layers=1, rope_parameters=_rope(10000.0)),
         {"bos_token_id": 0, "eos_token_id": [1, 2]},
         "GLM-5 architecture (GlmMoeDsaForCausalLM): MLA with q_lora_rank 32 and interleaved rope, "
         "plus the DSA indexer (4 heads of 16, rope on its first 8 dims, LayerNorm k_norm with bias, "
         "weights_proj) with index_topk 4 < prompt length 10, so queries past position 3 attend to "
         "4 selected positions only; indexer_types [full, shared, full] (layer 1 reuses layer 0's "
-        "selection and has no indexer weights); layer 0 dense, layers 1-2 MoE with a shared expert.",
+        "selection and has no indexer weights); layer 0 dense, layers 1-2 MoE with a shared expert. "
+        "num_nextn_predict_layers 1 with the MTP layer's weights at model.layers.3 (an MoE decoder "
+        "layer running its own indexer, shared_head.head, no embed_tokens) and reference MTP logits "
+        "[prompt - 1, vocab] (reference_mtp_logits.f32): past position 3 its queries also attend to 4 "
+        "selected positions.",
+        mtp=True,
     ),
     Spec(
         "glm5-nvfp4", "glm_moe_dsa", "nvfp4-modelopt", 116,
@@ -589,8 +600,15 @@ def forward_with_routes(model, tokens: torch.Tensor, family: str):
     finally:
         for h in hooks:
             h.remove()
+    gap = route_gap(captured, model.config, family)
+    for mod, args, kwargs in indexed:
+        gap = min(gap, index_gap(mod, *args[:3]))
+    return logits, gap
+
+
+def route_gap(captured, cfg, family: str) -> float:
+    """Smallest score gap at every top-k / top-group cut of the captured router inputs."""
     gap = math.inf
-    cfg = model.config
     for _, mod, h in captured:
         h = h.reshape(-1, h.shape[-1]).double()
         r = h @ mod.weight.detach().double().T
@@ -613,9 +631,7 @@ def forward_with_routes(model, tokens: torch.Tensor, family: str):
         else:
             cs = r.sort(dim=-1, descending=True)[0]
             gap = min(gap, (cs[:, k - 1] - cs[:, k]).min().item())
-    for mod, args, kwargs in indexed:
-        gap = min(gap, index_gap(mod, *args[:3]))
-    return logits, gap
+    return gap
 
 
 def index_scores(mod, hidden: torch.Tensor, q_resid: torch.Tensor, position_embeddings) -> torch.Tensor:
@@ -645,6 +661,99 @@ def index_gap(mod, hidden, q_resid, position_embeddings) -> float:
         row = idx[i, : i + 1].sort(descending=True)[0]
         gap = min(gap, (row[k - 1] - row[k]).item())
     return gap
+
+
+def mtp_reference(spec: Spec, model, tokens: torch.Tensor, seed: int):
+    """Random weights for MTP layer 0 (hub names) and its logits for positions 0 .. T-2, computed
+    with transformers' own modules as vLLM's deepseek_mtp runs them: h_p is the main model's last
+    hidden state (after its final norm), e = embed(tokens[p+1]) with e = 0 at position 0,
+    x = eh_proj([enorm(e), hnorm(h_p)]), y = decoder layer(x) at position p (causal over the MTP
+    positions), logits = shared_head.head(shared_head.norm(y))."""
+    mod = sys.modules[type(model).__module__]
+    if spec.family == "deepseek_v3":
+        rms_norm, decoder_layer = mod.DeepseekV3RMSNorm, mod.DeepseekV3DecoderLayer
+    elif spec.family == "glm_moe_dsa":
+        rms_norm, decoder_layer = mod.GlmMoeDsaRMSNorm, mod.GlmMoeDsaDecoderLayer
+    else:
+        raise RuntimeError(f"{spec.name}: no MTP layer for {spec.family}")
+    # model.config carries the eager attention and experts implementations; GLM-5's per-layer lists
+    # get an entry for the MTP layer: MoE, and its own indexer (its cache holds no other selection)
+    cfg = copy.deepcopy(model.config)
+    H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    if spec.family == "glm_moe_dsa":
+        cfg.mlp_layer_types = list(cfg.mlp_layer_types) + ["sparse"]
+        cfg.indexer_types = list(cfg.indexer_types) + ["full"]
+    T = tokens.shape[0]
+    with torch.no_grad():
+        h = model.model(input_ids=tokens[None]).last_hidden_state[:, : T - 1]
+        e = model.model.embed_tokens(tokens[None, 1:]).clone()
+    e[:, 0] = 0.0
+    pos = torch.arange(T - 1)[None]
+    mask = transformers.masking_utils.create_causal_mask(
+        config=model.config, inputs_embeds=e, attention_mask=None, cache=None, position_ids=pos,
+        allow_is_causal_skip=False)
+    for attempt in range(50):
+        gen = torch.Generator().manual_seed(seed * 101 + 7 + 7919 * attempt)
+        mtp = torch.nn.ModuleDict({
+            "enorm": rms_norm(H, eps=cfg.rms_norm_eps),
+            "hnorm": rms_norm(H, eps=cfg.rms_norm_eps),
+            "eh_proj": torch.nn.Linear(2 * H, H, bias=False),
+            "layer": decoder_layer(cfg, layer_idx=L),
+            "shared_head": torch.nn.ModuleDict({"norm": rms_norm(H, eps=cfg.rms_norm_eps),
+                                                "head": torch.nn.Linear(H, V, bias=False)}),
+        }).eval()
+        with torch.no_grad():
+            for name, p in mtp.named_parameters():
+                z = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+                if name == "shared_head.head.weight":
+                    v = z * (LOGIT_STD / math.sqrt(H))
+                elif name.endswith("norm.weight"):
+                    v = 1.0 + 0.2 * z
+                elif name.endswith(".bias"):
+                    v = 0.1 * z
+                elif name.endswith("mlp.gate.weight"):
+                    v = z * (ROUTER_STD / math.sqrt(p.shape[-1]))
+                elif name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+                    v = z / math.sqrt(p.shape[-1])
+                elif p.ndim == 2:
+                    v = z / math.sqrt(p.shape[1])
+                else:
+                    raise RuntimeError(f"no init rule for MTP {name} {tuple(p.shape)}")
+                p.copy_(bf16_round(v))
+            for name, b in mtp.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
+        captured, indexed = [], []
+        hooks = [mtp["layer"].mlp.gate.register_forward_hook(
+            lambda m, inp, out: captured.append(("mtp", m, inp[0].detach().clone())))]
+        indexer = getattr(mtp["layer"].self_attn, "indexer", None)
+        if indexer is not None:
+            hooks.append(indexer.register_forward_hook(
+                lambda m, args, kwargs, out: indexed.append((m, args, kwargs)), with_kwargs=True))
+        try:
+            with torch.no_grad():
+                x = mtp["eh_proj"](torch.cat([mtp["enorm"](e), mtp["hnorm"](h)], dim=-1))
+                y = mtp["layer"](x, attention_mask=mask, position_ids=pos,
+                                 position_embeddings=model.model.rotary_emb(x, pos))
+                if isinstance(y, tuple):  # GLM-5's layer also returns its selection
+                    y = y[0]
+                logits = mtp["shared_head"]["head"](mtp["shared_head"]["norm"](y))[0].contiguous()
+        finally:
+            for hk in hooks:
+                hk.remove()
+        gap = route_gap(captured, cfg, spec.family)
+        for m, args, kwargs in indexed:
+            gap = min(gap, index_gap(m, *args[:3]))
+        if gap >= MIN_ROUTE_GAP:
+            break
+        print(f"  {spec.name}: MTP attempt {attempt} has a routing gap of {gap:.2e}, trying another", file=sys.stderr)
+    else:
+        raise RuntimeError(f"{spec.name}: no MTP weights with clear routing")
+    sd = {}
+    for k, v in mtp.state_dict().items():
+        k = k[len("layer."):] if k.startswith("layer.") else k
+        sd[f"model.layers.{L}.{k}"] = v
+    return to_hub(sd, spec.family, spec.fused_experts, False), logits, gap
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -884,6 +993,18 @@ def make_fixture(spec: Spec, out_root: Path, seed_offset: int, verify: bool) -> 
     if not std > 1.0:
         raise RuntimeError(f"{spec.name}: logits std {std:.3f} <= 1")
 
+    # after the main model's seed is fixed, so the main weights and logits do not depend on it
+    mtp_logits = None
+    if spec.mtp:
+        mtp_hub, mtp_logits, mtp_gap = mtp_reference(spec, model, tokens, seed)
+        assert not quantize, "MTP weights are written for BF16 fixtures only"
+        for name, v in mtp_hub.items():
+            files[name] = v.to(torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16).contiguous()
+        hub.update(mtp_hub)
+        gap = min(gap, mtp_gap)
+        if not mtp_logits.std().item() > 1.0:
+            raise RuntimeError(f"{spec.name}: MTP logits std {mtp_logits.std().item():.3f} <= 1")
+
     folder = out_root / spec.name
     if folder.exists():
         shutil.rmtree(folder)
@@ -899,7 +1020,12 @@ def make_fixture(spec: Spec, out_root: Path, seed_offset: int, verify: bool) -> 
     for f in folder.iterdir():
         f.chmod(0o644)
     (folder / "reference_logits.f32").write_bytes(logits.numpy().astype("<f4").tobytes())
+    extra = {}
+    if mtp_logits is not None:
+        (folder / "reference_mtp_logits.f32").write_bytes(mtp_logits.numpy().astype("<f4").tobytes())
+        extra = {"mtp_logits": "reference_mtp_logits.f32", "mtp_shape": [PROMPT_LEN - 1, int(config.vocab_size)]}
     write_json(folder / "reference.json", {
+        **extra,
         "tokens": [int(t) for t in tokens],
         "shape": [PROMPT_LEN, int(config.vocab_size)],
         "logits": "reference_logits.f32",
@@ -927,6 +1053,9 @@ def verify_bf16(folder: Path, spec: Spec, ref: torch.Tensor) -> str:
     if spec.family in MOE_FAMILIES:
         kw["experts_implementation"] = "eager"
     model, info = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **kw)
+    # transformers does not build the MTP layer: its tensors are the only ones it may leave unused
+    mtp_prefix = f"model.layers.{model.config.num_hidden_layers}."
+    info["unexpected_keys"] = [k for k in info.get("unexpected_keys", []) if not (spec.mtp and k.startswith(mtp_prefix))]
     bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if bad:
         raise RuntimeError(f"{spec.name}: transformers load problems {bad}")

@@ -40,6 +40,13 @@ Run add_inspect(CLI::App& app) {
     std::string kinds;
     for (size_t l = 0; l < m->weights.layers.size(); ++l) kinds += m->weights.layers[l].is_moe ? 'M' : 'D';
     std::printf("layer layout      %s  (D dense, M MoE)\n", kinds.c_str());
+    if (c.num_nextn_predict_layers > 0 && m->weights.mtp.empty())
+      std::printf("MTP layers        none in the checkpoint (not loaded)\n");
+    for (const MtpLayer& t : m->weights.mtp)
+      std::printf("MTP layer         model.layers.%lld: %s, eh_proj %s, %s, %s\n", (long long)t.index,
+                  t.layer.is_moe ? "MoE" : "dense", format_name(t.eh_proj.format),
+                  t.head.data == m->weights.lm_head.data ? "main lm_head" : "own head",
+                  t.embed.data == m->weights.embed.data ? "main embedding" : "own embedding");
     const StorageStats s = storage_stats(*m);
     std::printf("parameters        %s in linears (%s touched per token)\n", human_count(double(s.params)).c_str(),
                 human_count(double(s.params_per_token)).c_str());

@@ -77,6 +77,9 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& path)
       m.vocab_size > (1 << 24))
     fail(path, ": model dimensions are implausibly large");
 
+  m.num_nextn_predict_layers = cfg.get_int("num_nextn_predict_layers", 0);
+  if (m.num_nextn_predict_layers < 0 || m.num_nextn_predict_layers > 64)
+    fail(path, ": num_nextn_predict_layers must be between 0 and 64, got ", m.num_nextn_predict_layers);
   m.rope = parse_rope(j, path, m.head_dim, m.max_position_embeddings);
   adapter->second(cfg, m);
 
@@ -168,6 +171,9 @@ std::string ModelConfig::summary() const {
     if (routed_scaling_factor != 1.0f) s << ", scaled x" << routed_scaling_factor;
     s << "\n";
   }
+  if (num_nextn_predict_layers > 0)
+    s << "MTP (NextN)       " << num_nextn_predict_layers << " layer" << (num_nextn_predict_layers > 1 ? "s" : "")
+      << " announced (model.layers." << num_layers << (num_nextn_predict_layers > 1 ? "..." : "") << ")\n";
   // GGUF files carry a format per tensor instead of settings: the storage lines tell those.
   if (quant.is_quantized() || architecture.find("GGUF") == std::string::npos)
     s << "quantization      " << quant.describe() << "\n";

@@ -95,6 +95,10 @@ struct ModelConfig {
   std::string expert_down = "down_proj";     // "w2"
   ExpertLayout expert_layout = ExpertLayout::PerExpert;  // decided from the tensors at load
 
+  // Multi-token prediction (DeepSeek-V3 NextN): layers num_layers .. num_layers + this - 1 of the
+  // checkpoint, when it holds them (the model loads without them otherwise).
+  int64_t num_nextn_predict_layers = 0;
+
   QuantConfig quant;
 
   // generation_config.json

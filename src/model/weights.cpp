@@ -308,7 +308,7 @@ class Loader {
 // Hub names: q_a_proj, q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_a_layernorm,
 // kv_b_proj, o_proj; GLM-5's indexer.{wq_b, wk, k_norm, weights_proj}. attention_bias covers
 // q_a_proj, kv_a_proj_with_mqa and o_proj.
-void load_mla(Loader& ld, const ModelConfig& c, int64_t layer, const std::string& a, LayerWeights& L) {
+void load_mla(Loader& ld, const ModelConfig& c, bool own_indexer, const std::string& a, LayerWeights& L) {
   const MlaConfig& m = c.mla;
   const int64_t h = c.hidden_size, heads = c.num_heads;
   MlaWeights& w = L.mla;
@@ -324,7 +324,7 @@ void load_mla(Loader& ld, const ModelConfig& c, int64_t layer, const std::string
   w.kv_b = ld.linear(a + "kv_b_proj", heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, false);
   L.o = ld.linear(a + "o_proj", h, heads * m.v_head_dim, c.o_bias);
   const IndexerConfig& ix = c.indexer;
-  if (ix.enabled() && ix.own[size_t(layer)]) {
+  if (ix.enabled() && own_indexer) {
     w.has_indexer = true;
     IndexerWeights& x = w.indexer;
     x.wq_b = ld.linear(a + "indexer.wq_b", ix.heads * ix.head_dim, m.q_lora_rank, false);
@@ -335,6 +335,92 @@ void load_mla(Loader& ld, const ModelConfig& c, int64_t layer, const std::string
   }
 }
 
+// The weights of one decoder layer under prefix p ("model.layers.N.").
+void load_layer(Loader& ld, const Checkpoint& ck, const ModelConfig& c, const std::string& p, bool moe_layer,
+                bool own_indexer, LayerWeights& L) {
+  const int64_t h = c.hidden_size, hd = c.head_dim;
+  L.attn_norm = ld.vec(p + "input_layernorm.weight", h);
+  L.ffn_norm = ld.vec(p + "post_attention_layernorm.weight", h);
+  if (c.is_mla()) {
+    load_mla(ld, c, own_indexer, p + "self_attn.", L);
+  } else {
+    L.q = ld.linear(p + "self_attn.q_proj", c.num_heads * hd, h, c.qkv_bias);
+    L.k = ld.linear(p + "self_attn.k_proj", c.num_kv_heads * hd, h, c.qkv_bias);
+    L.v = ld.linear(p + "self_attn.v_proj", c.num_kv_heads * hd, h, c.qkv_bias);
+    L.o = ld.linear(p + "self_attn.o_proj", h, c.num_heads * hd, c.o_bias);
+  }
+  if (c.qk_norm) {
+    L.q_norm = ld.vec(p + "self_attn.q_norm.weight", hd);
+    L.k_norm = ld.vec(p + "self_attn.k_norm.weight", hd);
+  }
+  L.is_moe = moe_layer;
+  if (!L.is_moe) {
+    L.mlp = ld.ffn(p + "mlp", "gate_proj", "up_proj", "down_proj", c.intermediate_size);
+    return;
+  }
+  const std::string mp = p + c.moe_prefix;
+  MoeWeights& moe = L.moe;
+  moe.router = ld.dense(mp + ".gate", mp + ".gate.weight", c.num_experts, h);
+  if (c.router == RouterKind::SigmoidBias) moe.correction_bias = ld.vec(mp + ".gate.e_score_correction_bias", c.num_experts);
+  if (ck.has(mp + ".experts.gate_up_proj")) {
+    moe.experts = ld.fused_experts(mp + ".experts");
+  } else {
+    for (int64_t e = 0; e < c.num_experts; ++e)
+      moe.experts.push_back(ld.ffn(cat(mp, ".experts.", e), c.expert_gate, c.expert_up, c.expert_down,
+                                   c.moe_intermediate_size));
+  }
+  if (c.num_shared_experts > 0) {
+    moe.has_shared = true;
+    moe.shared = ld.ffn(mp + ".shared_experts", "gate_proj", "up_proj", "down_proj",
+                        c.moe_intermediate_size * c.num_shared_experts);
+  }
+}
+
+// Whether the checkpoint holds any tensor under `prefix`.
+bool has_prefix(const Checkpoint& ck, const std::string& prefix) {
+  auto it = ck.tensors().lower_bound(prefix);
+  return it != ck.tensors().end() && it->first.compare(0, prefix.size(), prefix) == 0;
+}
+
+// The MTP layers num_layers .. num_layers + num_nextn_predict_layers - 1. Checkpoints converted
+// without them are common (the config still announces them), so all absent means none; a layer
+// partly present fails on its first missing tensor, and some layers present but not all on the
+// first absent layer's eh_proj.
+void load_mtp(Loader& ld, const Checkpoint& ck, const ModelConfig& c, ModelWeights& w) {
+  const int64_t n = c.num_nextn_predict_layers, h = c.hidden_size;
+  int64_t present = 0;
+  for (int64_t k = 0; k < n; ++k) present += has_prefix(ck, cat("model.layers.", c.num_layers + k, "."));
+  if (present == 0) return;
+  // The MTP layer's feed-forward is like the main model's last layer (DeepSeek-V3 and GLM-5: MoE).
+  const bool moe = c.is_moe_layer(c.num_layers - 1);
+  for (int64_t k = 0; k < n; ++k) {
+    MtpLayer m;
+    m.index = c.num_layers + k;
+    const std::string p = cat("model.layers.", m.index, ".");
+    if (!has_prefix(ck, p))
+      fail(ck.dir(), ": missing tensor '", p, "eh_proj.weight' (", present, " of ", n,
+           " MTP layers present; num_nextn_predict_layers in ", c.source, ")");
+    m.enorm = ld.vec(p + "enorm.weight", h);
+    m.hnorm = ld.vec(p + "hnorm.weight", h);
+    m.eh_proj = ld.linear(p + "eh_proj", h, 2 * h, false);
+    load_layer(ld, ck, c, p, moe, true, m.layer);
+    m.head_norm = ld.vec(p + "shared_head.norm.weight", h);
+    if (ck.has(p + "shared_head.head.weight")) {
+      m.head = ld.dense(p + "shared_head.head", p + "shared_head.head.weight", c.vocab_size, h);
+    } else {
+      m.head = w.lm_head;
+      m.head.name = p + "shared_head.head (the main lm_head)";
+    }
+    if (ck.has(p + "embed_tokens.weight")) {
+      m.embed = ld.dense(p + "embed_tokens", p + "embed_tokens.weight", c.vocab_size, h);
+    } else {
+      m.embed = w.embed;
+      m.embed.name = p + "embed_tokens (the main embedding)";
+    }
+    w.mtp.push_back(std::move(m));
+  }
+}
+
 std::unique_ptr<Model> load_folder(const std::string& dir) {
   auto m = std::make_unique<Model>();
   m->config = load_model_config(dir);
@@ -342,7 +428,7 @@ std::unique_ptr<Model> load_folder(const std::string& dir) {
   const ModelConfig& c = m->config;
   Loader ld(*m->checkpoint, c);
   ModelWeights& w = m->weights;
-  const int64_t h = c.hidden_size, hd = c.head_dim;
+  const int64_t h = c.hidden_size;
 
   w.embed = ld.dense("model.embed_tokens", "model.embed_tokens.weight", c.vocab_size, h);
   w.final_norm = ld.vec("model.norm.weight", h);
@@ -355,44 +441,11 @@ std::unique_ptr<Model> load_folder(const std::string& dir) {
 
   w.layers.resize(size_t(c.num_layers));
   for (int64_t i = 0; i < c.num_layers; ++i) {
-    LayerWeights& L = w.layers[size_t(i)];
-    const std::string p = cat("model.layers.", i, ".");
-    L.attn_norm = ld.vec(p + "input_layernorm.weight", h);
-    L.ffn_norm = ld.vec(p + "post_attention_layernorm.weight", h);
-    if (c.is_mla()) {
-      load_mla(ld, c, i, p + "self_attn.", L);
-    } else {
-      L.q = ld.linear(p + "self_attn.q_proj", c.num_heads * hd, h, c.qkv_bias);
-      L.k = ld.linear(p + "self_attn.k_proj", c.num_kv_heads * hd, h, c.qkv_bias);
-      L.v = ld.linear(p + "self_attn.v_proj", c.num_kv_heads * hd, h, c.qkv_bias);
-      L.o = ld.linear(p + "self_attn.o_proj", h, c.num_heads * hd, c.o_bias);
-    }
-    if (c.qk_norm) {
-      L.q_norm = ld.vec(p + "self_attn.q_norm.weight", hd);
-      L.k_norm = ld.vec(p + "self_attn.k_norm.weight", hd);
-    }
-    L.is_moe = c.is_moe_layer(i);
-    if (!L.is_moe) {
-      L.mlp = ld.ffn(p + "mlp", "gate_proj", "up_proj", "down_proj", c.intermediate_size);
-    } else {
-      const std::string mp = p + c.moe_prefix;
-      MoeWeights& moe = L.moe;
-      moe.router = ld.dense(mp + ".gate", mp + ".gate.weight", c.num_experts, h);
-      if (c.router == RouterKind::SigmoidBias) moe.correction_bias = ld.vec(mp + ".gate.e_score_correction_bias", c.num_experts);
-      if (m->checkpoint->has(mp + ".experts.gate_up_proj")) {
-        moe.experts = ld.fused_experts(mp + ".experts");
-      } else {
-        for (int64_t e = 0; e < c.num_experts; ++e)
-          moe.experts.push_back(ld.ffn(cat(mp, ".experts.", e), c.expert_gate, c.expert_up, c.expert_down,
-                                       c.moe_intermediate_size));
-      }
-      if (c.num_shared_experts > 0) {
-        moe.has_shared = true;
-        moe.shared = ld.ffn(mp + ".shared_experts", "gate_proj", "up_proj", "down_proj",
-                            c.moe_intermediate_size * c.num_shared_experts);
-      }
-    }
+    const bool own_indexer = c.indexer.enabled() && c.indexer.own[size_t(i)];
+    load_layer(ld, *m->checkpoint, c, cat("model.layers.", i, "."), c.is_moe_layer(i), own_indexer,
+               w.layers[size_t(i)]);
   }
+  load_mtp(ld, *m->checkpoint, c, w);
   return m;
 }
 
@@ -435,20 +488,28 @@ StorageStats storage_stats(const Model& m) {
   s.params_per_token += c.hidden_size;  // one embedding row
   if (w.lm_head.data != w.embed.data) add(w.lm_head, true);
   else s.params_per_token += c.vocab_size * c.hidden_size;
-  for (const auto& L : w.layers) {
-    for (const Linear* l : L.attention_linears()) add(*l, true);
+  // MTP layers count as stored, not as touched: a plain decode step does not run them.
+  auto add_layer = [&](const LayerWeights& L, bool touched) {
+    for (const Linear* l : L.attention_linears()) add(*l, touched);
     if (!L.is_moe) {
-      add_ffn(L.mlp, true);
-      continue;
+      add_ffn(L.mlp, touched);
+      return;
     }
-    add(L.moe.router, true);
+    add(L.moe.router, touched);
     int64_t per_expert = 0;
     for (const auto& e : L.moe.experts) {
       add_ffn(e, false);
       per_expert = e.gate.out * e.gate.in * 3;
     }
-    s.params_per_token += per_expert * c.experts_per_token;
-    if (L.moe.has_shared) add_ffn(L.moe.shared, true);
+    if (touched) s.params_per_token += per_expert * c.experts_per_token;
+    if (L.moe.has_shared) add_ffn(L.moe.shared, touched);
+  };
+  for (const auto& L : w.layers) add_layer(L, true);
+  for (const auto& M : w.mtp) {
+    add(M.eh_proj, false);
+    add_layer(M.layer, false);
+    if (M.head.data != w.lm_head.data) add(M.head, false);
+    if (M.embed.data != w.embed.data) add(M.embed, false);
   }
   size_t total = 0, linear = 0;
   if (m.checkpoint)

@@ -93,11 +93,26 @@ struct LayerWeights {
   std::vector<const Linear*> attention_linears() const;
 };
 
+// A multi-token-prediction (NextN) layer, checkpoint prefix model.layers.{index}. For position p
+// with the main model's final normed hidden state h_p and next token t_{p+1}:
+//   x = eh_proj([enorm(embed(t_{p+1})), hnorm(h_p)]), y = layer(x) at position p (own KV cache),
+//   logits = head(head_norm(y)), a prediction of t_{p+2}.
+struct MtpLayer {
+  int64_t index = 0;  // checkpoint layer index: num_hidden_layers + k
+  std::vector<float> enorm, hnorm;
+  Linear eh_proj;  // [hidden, 2 * hidden], embedding half first
+  LayerWeights layer;
+  std::vector<float> head_norm;  // shared_head.norm
+  Linear head;                   // shared_head.head, or a copy of the main lm_head's view
+  Linear embed;                  // embed_tokens of the layer, or a copy of the main embedding's view
+};
+
 struct ModelWeights {
   Linear embed;                      // [vocab, hidden]
   std::vector<float> final_norm;
   Linear lm_head;                    // [vocab, hidden]; a copy of embed's view when tied
   std::vector<LayerWeights> layers;
+  std::vector<MtpLayer> mtp;         // empty when the checkpoint holds no MTP layers
 };
 
 // A loaded model: configuration, the mapped weights (a Hugging Face folder or a GGUF file) and

@@ -115,8 +115,8 @@ void Forward::gqa_attention(const LayerWeights& L, int64_t l, const float* xn, i
   linear(L.o, att.data(), T, out, pool_, obs);
 }
 
-void Forward::run(std::span<const int32_t> tokens, KvCache& cache, float* logits) {
-  if (!split_) return run_rank(tokens, cache, logits);
+void Forward::run(std::span<const int32_t> tokens, KvCache& cache, float* logits, float* hidden) {
+  if (!split_) return run_rank(tokens, cache, logits, hidden);
   const int64_t T = int64_t(tokens.size()), start = cache.length();
   if (T == 0) return;
   cache.reserve(T);
@@ -130,7 +130,8 @@ void Forward::run(std::span<const int32_t> tokens, KvCache& cache, float* logits
         split_->logits[r].resize(size_t(T * c_.vocab_size));
         out = split_->logits[r].data();
       }
-      split_->ranks[r]->run_rank(tokens, cache.rank(int(r)), out);
+      // after each layer's all-reduce every rank holds the whole residual stream: rank 0 reports it
+      split_->ranks[r]->run_rank(tokens, cache.rank(int(r)), out, r == 0 ? hidden : nullptr);
     } catch (...) {
       errors[r] = std::current_exception();
       split_->comms[r]->abort();  // the others fail at their next collective instead of waiting
@@ -176,7 +177,24 @@ void Forward::gather_logits(const float* local, int64_t T, float* logits) {
   }
 }
 
-void Forward::run_rank(std::span<const int32_t> tokens, KvCache& cache, float* logits) {
+void Forward::decoder_layer(const LayerWeights& L, int64_t l, float* x, float* xn, float* tmp, int64_t T,
+                            int64_t start, KvCache& cache, Selection& selection) {
+  const int64_t H = c_.hidden_size;
+  const LinearObserver* obs = observe_ ? &observe_ : nullptr;
+  rms_norm(x, L.attn_norm.data(), T, H, c_.rms_norm_eps, xn);
+  if (c_.is_mla()) mla_attention(c_, L, l, xn, T, start, cache, rope_, index_rope_, selection, tmp, pool_, obs);
+  else gqa_attention(L, l, xn, T, start, cache, tmp);
+  if (comm_) comm_->all_reduce_sum(tmp, T * H);
+  for (int64_t i = 0; i < T * H; ++i) x[i] += tmp[i];
+
+  rms_norm(x, L.ffn_norm.data(), T, H, c_.rms_norm_eps, xn);
+  if (L.is_moe) moe_forward(c_, L.moe, xn, T, tmp, pool_, obs);
+  else gated_ffn(L.mlp, xn, T, tmp, pool_, obs);
+  if (comm_) comm_->all_reduce_sum(tmp, T * H);
+  for (int64_t i = 0; i < T * H; ++i) x[i] += tmp[i];
+}
+
+void Forward::run_rank(std::span<const int32_t> tokens, KvCache& cache, float* logits, float* hidden) {
   const int64_t T = int64_t(tokens.size()), H = c_.hidden_size, start = cache.length();
   if (T == 0) return;
   cache.reserve(T);
@@ -188,27 +206,60 @@ void Forward::run_rank(std::span<const int32_t> tokens, KvCache& cache, float* l
 
   const LinearObserver* obs = observe_ ? &observe_ : nullptr;
   Selection selection;  // DSA: carried from a layer that selects to the layers that reuse it
-  for (int64_t l = 0; l < c_.num_layers; ++l) {
-    const LayerWeights& L = w.layers[size_t(l)];
-    rms_norm(x.data(), L.attn_norm.data(), T, H, c_.rms_norm_eps, xn.data());
-    if (c_.is_mla()) mla_attention(c_, L, l, xn.data(), T, start, cache, rope_, index_rope_, selection, tmp.data(), pool_, obs);
-    else gqa_attention(L, l, xn.data(), T, start, cache, tmp.data());
-    if (comm_) comm_->all_reduce_sum(tmp.data(), T * H);
-    for (int64_t i = 0; i < T * H; ++i) x[size_t(i)] += tmp[size_t(i)];
-
-    rms_norm(x.data(), L.ffn_norm.data(), T, H, c_.rms_norm_eps, xn.data());
-    if (L.is_moe) moe_forward(c_, L.moe, xn.data(), T, tmp.data(), pool_, obs);
-    else gated_ffn(L.mlp, xn.data(), T, tmp.data(), pool_, obs);
-    if (comm_) comm_->all_reduce_sum(tmp.data(), T * H);
-    for (int64_t i = 0; i < T * H; ++i) x[size_t(i)] += tmp[size_t(i)];
-  }
+  for (int64_t l = 0; l < c_.num_layers; ++l)
+    decoder_layer(w.layers[size_t(l)], l, x.data(), xn.data(), tmp.data(), T, start, cache, selection);
   cache.commit(T);
-  if (!logits) return;
+  if (!logits && !hidden) return;
   rms_norm(x.data(), w.final_norm.data(), T, H, c_.rms_norm_eps, xn.data());
+  if (hidden) std::copy(xn.begin(), xn.end(), hidden);
+  if (!logits) return;
   if (!comm_) return linear(w.lm_head, xn.data(), T, logits, pool_, obs);
   std::vector<float> local(static_cast<size_t>(T * w.lm_head.out));
   linear(w.lm_head, xn.data(), T, local.data(), pool_, obs);
   gather_logits(local.data(), T, logits);
+}
+
+const MtpLayer& Forward::mtp_layer(size_t k) const {
+  const auto& mtp = model_.weights.mtp;
+  if (split_) fail("multi-token prediction runs on the unsplit model (without --tp/--ep)");
+  if (k >= mtp.size())
+    fail(c_.source, ": no MTP layer ", k, " (the checkpoint holds ", mtp.size(), "; num_nextn_predict_layers ",
+         c_.num_nextn_predict_layers, ")");
+  return mtp[k];
+}
+
+KvCache Forward::make_mtp_cache(int64_t capacity, size_t k) const {
+  const MtpLayer& m = mtp_layer(k);
+  KvLayout layout = kv_layout_of(c_);
+  if (!layout.index_layer.empty()) layout.index_layer = {m.layer.mla.has_indexer};  // one layer: its own
+  return KvCache(1, layout, capacity);
+}
+
+void Forward::run_mtp(std::span<const int32_t> next, const float* hidden, KvCache& cache, float* logits, size_t k) {
+  const MtpLayer& m = mtp_layer(k);
+  const int64_t T = int64_t(next.size()), H = c_.hidden_size, start = cache.length();
+  if (T == 0) return;
+  cache.reserve(T);
+  check_tokens(next, c_.vocab_size);
+  const LinearObserver* obs = observe_ ? &observe_ : nullptr;
+
+  // [enorm(embedding) | hnorm(hidden)] per position. Position 0 has no token before it whose
+  // prediction it would refine, so its embedding is zero (as vLLM does).
+  std::vector<float> cat(static_cast<size_t>(T * 2 * H)), e(static_cast<size_t>(H));
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = cat.data() + t * 2 * H;
+    if (start + t == 0) std::fill(e.begin(), e.end(), 0.0f);
+    else m.embed.dequant_row(next[size_t(t)], e.data());
+    rms_norm(e.data(), m.enorm.data(), 1, H, c_.rms_norm_eps, row);
+    rms_norm(hidden + t * H, m.hnorm.data(), 1, H, c_.rms_norm_eps, row + H);
+  }
+  std::vector<float> x(static_cast<size_t>(T * H)), xn(static_cast<size_t>(T * H)), tmp(static_cast<size_t>(T * H));
+  linear(m.eh_proj, cat.data(), T, x.data(), pool_, obs);
+  Selection selection;
+  decoder_layer(m.layer, 0, x.data(), xn.data(), tmp.data(), T, start, cache, selection);
+  cache.commit(T);
+  rms_norm(x.data(), m.head_norm.data(), T, H, c_.rms_norm_eps, xn.data());
+  linear(m.head, xn.data(), T, logits, pool_, obs);
 }
 
 }  // namespace kestrel::cpu

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "backend/cpu/linear.h"
+#include "backend/cpu/mla.h"
 #include "backend/cpu/ops.h"
 #include "common/thread_pool.h"
 #include "model/weights.h"
@@ -34,8 +35,16 @@ class Forward {
 
   // Runs `tokens` at the positions after those already in `cache` (all at once: the prefill
   // path; one at a time: the decode path), appends their keys and values, and writes the logits
-  // of every token to `logits` ([tokens, vocab]) when it is not null.
-  void run(std::span<const int32_t> tokens, KvCache& cache, float* logits);
+  // of every token to `logits` ([tokens, vocab]) when it is not null, and the final normed
+  // hidden states (what the LM head reads, [tokens, hidden]) to `hidden` when it is not null.
+  void run(std::span<const int32_t> tokens, KvCache& cache, float* logits, float* hidden = nullptr);
+
+  // Multi-token prediction with MTP layer `k` (unsplit models). A cache of one layer, its own.
+  KvCache make_mtp_cache(int64_t capacity, size_t k = 0) const;
+  // Runs the MTP layer at the positions after those already in `cache`: `hidden` [T, hidden] are
+  // the main model's final normed hidden states at those positions, `next` [T] the token that
+  // follows each position. Writes the MTP logits ([T, vocab], predictions two tokens ahead).
+  void run_mtp(std::span<const int32_t> next, const float* hidden, KvCache& cache, float* logits, size_t k = 0);
 
   // Shows every later run's linear inputs to `observe` (calibration); an empty function stops it.
   // Costs nothing while unset.
@@ -46,7 +55,12 @@ class Forward {
   // One rank of a split model: `shard` is its part, `comm` reaches the other ranks.
   Forward(const Model& shard, ThreadPool& pool, Communicator* comm);
   // The forward pass of the whole model or of one rank.
-  void run_rank(std::span<const int32_t> tokens, KvCache& cache, float* logits);
+  void run_rank(std::span<const int32_t> tokens, KvCache& cache, float* logits, float* hidden);
+  const MtpLayer& mtp_layer(size_t k) const;  // fails when there is none or the model is split
+  // One decoder layer on the residual stream x [T, hidden]; `l` is the layer's slot in `cache`.
+  // xn and tmp are scratch of the same size.
+  void decoder_layer(const LayerWeights& L, int64_t l, float* x, float* xn, float* tmp, int64_t T, int64_t start,
+                     KvCache& cache, Selection& selection);
   // The ranks' LM head rows -> every rank's logits [tokens, vocab].
   void gather_logits(const float* local, int64_t tokens, float* logits);
 
