@@ -372,15 +372,20 @@ def bf16_round(t: torch.Tensor) -> torch.Tensor:
 
 def randomize(model, config, gen: torch.Generator):
     """Overwrite every parameter with values large enough that every layer matters."""
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    hidden = config.hidden_size
+    randomize_module(model, gen, config.hidden_size, bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def randomize_module(module, gen: torch.Generator, hidden: int, tied: bool = False,
+                     head: str = "lm_head.weight"):
+    """The init rules of randomize for any module (a model, or an MTP layer whose output
+    projection is named `head`), drawing from `gen` parameter by parameter in order."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in module.named_parameters():
             z = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if name.endswith("embed_tokens.weight"):
                 # a tied table is also the output projection: keep the logits at a few units
                 v = z * (LOGIT_STD / math.sqrt(hidden) if tied else 1.0)
-            elif name == "lm_head.weight":
+            elif name == head:
                 v = z * (LOGIT_STD / math.sqrt(hidden))
             elif name.endswith("norm.weight"):
                 v = 1.0 + 0.2 * z
@@ -395,7 +400,7 @@ def randomize(model, config, gen: torch.Generator):
             else:
                 raise RuntimeError(f"no init rule for {name} {tuple(p.shape)}")
             p.copy_(bf16_round(v))
-        for name, b in model.named_buffers():
+        for name, b in module.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
 
@@ -702,27 +707,7 @@ def mtp_reference(spec: Spec, model, tokens: torch.Tensor, seed: int):
             "shared_head": torch.nn.ModuleDict({"norm": rms_norm(H, eps=cfg.rms_norm_eps),
                                                 "head": torch.nn.Linear(H, V, bias=False)}),
         }).eval()
-        with torch.no_grad():
-            for name, p in mtp.named_parameters():
-                z = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-                if name == "shared_head.head.weight":
-                    v = z * (LOGIT_STD / math.sqrt(H))
-                elif name.endswith("norm.weight"):
-                    v = 1.0 + 0.2 * z
-                elif name.endswith(".bias"):
-                    v = 0.1 * z
-                elif name.endswith("mlp.gate.weight"):
-                    v = z * (ROUTER_STD / math.sqrt(p.shape[-1]))
-                elif name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
-                    v = z / math.sqrt(p.shape[-1])
-                elif p.ndim == 2:
-                    v = z / math.sqrt(p.shape[1])
-                else:
-                    raise RuntimeError(f"no init rule for MTP {name} {tuple(p.shape)}")
-                p.copy_(bf16_round(v))
-            for name, b in mtp.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
+        randomize_module(mtp, gen, H, head="shared_head.head.weight")
         captured, indexed = [], []
         hooks = [mtp["layer"].mlp.gate.register_forward_hook(
             lambda m, inp, out: captured.append(("mtp", m, inp[0].detach().clone())))]
