@@ -1,10 +1,13 @@
 // Access to the committed fixtures: tiny random checkpoints with transformers' logits.
 #pragma once
+#include <cctype>
 #include <filesystem>
 #include <fstream>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "common/error.h"
 #include "formats/json_file.h"
@@ -35,6 +38,15 @@ inline const std::vector<std::string>& fixture_names() {
 }
 
 inline std::string fixture_dir(const std::string& name) { return std::string(KESTREL_FIXTURES) + "/" + name; }
+
+// A test name for a fixture parameter (gtest allows only letters, digits and '_'): pass
+// `test::fixture_test_name` as INSTANTIATE_TEST_SUITE_P's name generator.
+inline std::string fixture_test_name(const ::testing::TestParamInfo<std::string>& info) {
+  std::string n = info.param;
+  for (char& ch : n)
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  return n;
+}
 
 struct Reference {
   std::vector<int32_t> tokens;

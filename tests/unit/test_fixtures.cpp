@@ -56,12 +56,7 @@ TEST_P(FixtureTest, PrefillAndDecodeMatchTransformers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, FixtureTest, ::testing::ValuesIn(test::fixture_names()),
-                         [](const auto& info) {
-                           std::string n = info.param;
-                           for (char& ch : n)
-                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-                           return n;
-                         });
+                         test::fixture_test_name);
 
 // The fixtures must exercise what they claim: a wrong routing, rotary or norm would be caught only
 // if the logits depend on them, so check that the reference logits are far from trivial.

@@ -86,12 +86,7 @@ TEST_P(MtpFixture, PrefillAndDecodeMatchTransformers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, MtpFixture, ::testing::Values("deepseekv3-bf16", "glm5-bf16"),
-                         [](const auto& info) {
-                           std::string n = info.param;
-                           for (char& ch : n)
-                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-                           return n;
-                         });
+                         test::fixture_test_name);
 
 // Each detail of the semantics moves the logits far past the tolerance.
 TEST(Mtp, MutationsAreCaught) {
