@@ -1,6 +1,7 @@
 // kestrel bench: decode steps on the GPU, timed with and without the CUDA graph, against the
 // floor (bytes the step must read / measured memory bandwidth).
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <sstream>
@@ -16,6 +17,7 @@
 #include "backend/cuda/graph_profile.h"
 #include "backend/cuda/op_timer.h"
 #include "backend/cuda/rank_group.h"
+#include "backend/cuda/session.h"
 #include "formats/json_file.h"
 #include "model/weights.h"
 #include "parallel/shard.h"
@@ -36,6 +38,8 @@ struct Options {
   bool ops = false;
   int64_t layers = 0;  // 0: all
   Layout layout;
+  std::string prefill;  // prompt lengths to prefill, comma-separated; empty: none
+  int chunk = cuda::Session::kDefaultChunk;
 };
 
 struct OpRow {
@@ -164,7 +168,7 @@ double measure_bandwidth() {
   return 2.0 * double(n) / (double(ms[ms.size() / 2]) * 1e-3);
 }
 
-std::vector<int> parse_list(const std::string& s) {
+std::vector<int> parse_list(const std::string& s, const char* flag, int most) {
   std::vector<int> v;
   std::stringstream in(s);
   std::string item;
@@ -172,11 +176,50 @@ std::vector<int> parse_list(const std::string& s) {
     try {
       v.push_back(std::stoi(item));
     } catch (const std::exception&) {
-      fail("--batch: '", item, "' is not a number");
+      fail(flag, ": '", item, "' is not a number");
     }
-    if (v.back() < 1 || v.back() > 256) fail("--batch: ", v.back(), " is outside 1..256");
+    if (v.back() < 1 || v.back() > most) fail(flag, ": ", v.back(), " is outside 1..", most);
   }
   return v;
+}
+
+// Prefill of one prompt per length through a Session (what generate and chat run): steps of
+// `chunk` positions, the last position's logits copied back, host time from the first copy to
+// the logits on the host (median of 3 after a warm-up run that captures the graphs). The floor
+// is the weights each chunk's tokens touch, read once per chunk; at these sizes the tensor-core
+// arithmetic (8 tokens per pass over a tile, two FP16 MMAs per product) is what it nears.
+nlohmann::json bench_prefill(const cuda::DeviceModel& dm, const std::vector<int>& lengths, int chunk, double bw) {
+  const ModelConfig& c = dm.config();
+  nlohmann::json out = nlohmann::json::array();
+  std::printf("prefill (one sequence, %d positions per step, last position's logits)\n", chunk);
+  std::printf("%8s %11s %9s %12s %14s %8s\n", "tokens", "ms", "tok/s", "ms per step", "weights floor", "x floor");
+  std::vector<float> logits(size_t(c.vocab_size));
+  for (int n : lengths) {
+    cuda::Session session(dm, n, chunk);
+    std::vector<int32_t> tok(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) tok[size_t(i)] = int32_t((int64_t(i) * 7919 + 13) % c.vocab_size);
+    std::vector<double> ms;
+    for (int round = 0; round < 4; ++round) {
+      session.reset();
+      const auto t0 = std::chrono::steady_clock::now();
+      session.run(tok, logits.data(), false);
+      const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      if (round > 0) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    const double med = ms[ms.size() / 2];
+    const int steps = (n + chunk - 1) / chunk;
+    double floor_ms = 0;
+    for (int i = 0; i < steps; ++i) {
+      const DecodeCost cost = decode_cost(c, std::min(chunk, n - i * chunk), 1, 4.0);
+      floor_ms += (cost.total() - cost.kv_cache - cost.lm_head) / bw * 1e3;
+    }
+    floor_ms += decode_cost(c, 1, 1, 4.0).lm_head / bw * 1e3;  // the LM head runs for the last row only
+    std::printf("%8d %11.2f %9.0f %12.3f %14.3f %8.2f\n", n, med, n * 1e3 / med, med / steps, floor_ms, med / floor_ms);
+    out.push_back({{"tokens", n}, {"chunk", chunk}, {"ms", med}, {"tokens_per_s", n * 1e3 / med},
+                   {"weights_floor_ms", floor_ms}});
+  }
+  return out;
 }
 
 
@@ -192,6 +235,8 @@ void add_common(CLI::App& app, Options* o) {
   app.add_option("--json", o->json, "Also write the results as JSON to this file");
   app.add_option("--plot", o->plot, "With the per-op times: an SVG of each op against its floor (first batch size)");
   add_layout_options(app, o->layout);
+  app.add_option("--prefill", o->prefill, "Also time the prefill of one prompt of each of these lengths (e.g. 512,4096)");
+  app.add_option("--chunk", o->chunk, "Positions per prefill step (default 64)");
   app.add_option("--layers", o->layers,
                  "With --random-weights: only the first N layers (a slice of a model larger than the GPU)");
 }
@@ -348,8 +393,13 @@ int run_bench(const Options* o) {
     if (!o->config.empty() && !o->random_weights) fail("bench: --config needs --random-weights");
     if (o->steps < 1) fail("bench: --steps must be positive");
     if (o->layers && !o->random_weights) fail("--layers: only with --random-weights");
-    const std::vector<int> batches = parse_list(o->batches);
-    if (o->layout.split()) return run_split_bench(o, batches);
+    const std::vector<int> batches = parse_list(o->batches, "--batch", 256);
+    const std::vector<int> prefill = o->prefill.empty() ? std::vector<int>{} : parse_list(o->prefill, "--prefill", 1 << 20);
+    if (o->chunk < 1 || o->chunk > 256) fail("--chunk: ", o->chunk, " is outside 1..256");
+    if (o->layout.split()) {
+      if (!prefill.empty()) fail("--prefill: not measured on a split model yet (drop --tp/--ep)");
+      return run_split_bench(o, batches);
+    }
     std::unique_ptr<Model> host;
     std::unique_ptr<cuda::DeviceModel> dm;
     if (!o->model.empty() && !o->random_weights) {
@@ -425,8 +475,13 @@ int run_bench(const Options* o) {
           std::printf("  plot: %s\n", o->plot.c_str());
         }
       }
+    nlohmann::json pre = nlohmann::json::array();
+    if (!prefill.empty()) {
+      KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
+      pre = bench_prefill(*dm, prefill, o->chunk, bw);
+    }
     if (!o->json.empty()) {
-      results = {{"steps", results}, {"ops", ops}};
+      results = {{"steps", results}, {"ops", ops}, {"prefill", pre}};
       FILE* f = std::fopen(o->json.c_str(), "w");
       if (!f) fail(o->json, ": cannot open for writing");
       std::fputs(results.dump(2).c_str(), f);

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "../unit/fixture.h"
 #include "backend/cpu/forward.h"
@@ -98,12 +99,21 @@ TEST_P(CudaModelTest, SessionMatchesCpu) {
   EXPECT_EQ(session.position(), T);
   EXPECT_THROW(session.run({ref.tokens.data(), 1}, last.data(), false), Error);
 
-  // The whole sequence at once: prefill steps of 8 positions sharing one cache.
-  cuda::Session whole(*dm, int(T));
-  std::vector<float> every(static_cast<size_t>(T * V));
-  whole.run(ref.tokens, every.data(), true);
-  for (int64_t t = 0; t < T; ++t)
-    EXPECT_LE(test::rel_l2(every.data() + t * V, want.data() + t * V, V), kVsCpu) << "prefill position " << t;
+  // The whole sequence at once: prefill steps of `chunk` positions sharing one cache (3: several
+  // steps and a shorter last one; the default: one step), with every position's logits, then
+  // with the last position's only (the LM head runs for that row alone).
+  for (const int chunk : {3, cuda::Session::kDefaultChunk}) {
+    SCOPED_TRACE("chunk " + std::to_string(chunk));
+    cuda::Session whole(*dm, int(T), chunk);
+    std::vector<float> every(static_cast<size_t>(T * V));
+    whole.run(ref.tokens, every.data(), true);
+    for (int64_t t = 0; t < T; ++t)
+      EXPECT_LE(test::rel_l2(every.data() + t * V, want.data() + t * V, V), kVsCpu) << "prefill position " << t;
+    whole.reset();
+    std::fill(last.begin(), last.end(), std::nanf(""));
+    whole.run(ref.tokens, last.data(), false);
+    EXPECT_LE(test::rel_l2(last.data(), want.data() + (T - 1) * V, V), kVsCpu) << "last-row logits";
+  }
 }
 
 // Three sequences decoding side by side give what each gives alone (to rounding); the graph replay gives what

@@ -224,19 +224,20 @@ void Decoder::reduce_add_norm(int batch, const float* norm, cudaStream_t s) {
   link_->reduce->all_reduce_add_norm(part_, x_, norm, c.rms_norm_eps, xn_, batch, int(c.hidden_size), s);
 }
 
-void Decoder::gather_logits(int batch, cudaStream_t s) {
+void Decoder::gather_logits(int rows, int first, cudaStream_t s) {
   const ModelConfig& c = m_.config();
   const int ranks = link_->comm->size();
   const int share = int(vocab_share(c.vocab_size, ranks, 0).share);
-  link_->comm->all_gather(shard_logits_, int64_t(batch) * share, gathered_);
+  link_->comm->all_gather(shard_logits_, int64_t(rows) * share, gathered_);
   const int threads = 256, blocks = std::min(1024, int((c.vocab_size + threads - 1) / threads));
-  unshard_logits_kernel<<<dim3(unsigned(blocks), unsigned(batch)), threads, 0, s>>>(gathered_, ranks, batch, share,
-                                                                                   int(c.vocab_size), logits_);
+  unshard_logits_kernel<<<dim3(unsigned(blocks), unsigned(rows)), threads, 0, s>>>(
+      gathered_, ranks, rows, share, int(c.vocab_size), logits_ + size_t(first) * size_t(c.vocab_size));
   KESTREL_CUDA_LAUNCHED();
 }
 
-void Decoder::step(int batch, cudaStream_t s, OpMarks* marks) {
+void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, Logits rows) {
   if (batch < 1 || batch > max_batch_) fail("decode batch ", batch, " outside 1..", max_batch_);
+  if (rows == Logits::Last && !one_sequence_) fail("internal: last-row logits are for one-sequence decoders");
   const ModelConfig& c = m_.config();
   const int H = int(c.hidden_size), hd = int(c.head_dim), nq = int(c.num_heads), nkv = int(c.num_kv_heads);
   const float eps = c.rms_norm_eps, scale = 1.0f / std::sqrt(float(hd));
@@ -312,19 +313,24 @@ void Decoder::step(int batch, cudaStream_t s, OpMarks* marks) {
     }
     if (split) reduce(l + 1 < nL ? m_.layers()[size_t(l + 1)].attn_norm : m_.final_norm());
   }
+  // Rows [first, batch) get logits and a next token.
+  const int head_rows = rows == Logits::Last ? 1 : batch, first = batch - head_rows;
+  const size_t V = size_t(c.vocab_size);
+  const double hact = 4.0 * head_rows;
+  float* const xn_first = xn_ + size_t(first) * H;
   if (!split) {
-    launch_rms_norm(x_, m_.final_norm(), batch, H, eps, xn_, s);
-    op("rms_norm", 1, 2 * act * H);
+    launch_rms_norm(x_ + size_t(first) * H, m_.final_norm(), head_rows, H, eps, xn_first, s);
+    op("rms_norm", 1, 2 * hact * H);
   }
-  const LinearJob head[1] = {{m_.lm_head(), split ? shard_logits_ : logits_}};
-  launch_linear(head, 1, xn_, batch, false, s);
+  const LinearJob head[1] = {{m_.lm_head(), split ? shard_logits_ : logits_ + size_t(first) * V}};
+  launch_linear(head, 1, xn_first, head_rows, false, s);
   op("lm_head", 1, double(m_.lm_head().bytes()));
   if (split) {
-    gather_logits(batch, s);
-    op("gather_logits", 2, 2 * act * double(c.vocab_size));
+    gather_logits(head_rows, first, s);
+    op("gather_logits", 2, 2 * hact * double(c.vocab_size));
   }
-  launch_argmax(logits_, batch, int(c.vocab_size), next_, argmax_, s);
-  op("argmax", 1, act * double(c.vocab_size));
+  launch_argmax(logits_ + size_t(first) * V, head_rows, int(c.vocab_size), next_ + first, argmax_, s);
+  op("argmax", 1, hact * double(c.vocab_size));
   launches_ = n;
 }
 
@@ -333,15 +339,15 @@ void Decoder::advance(int batch, cudaStream_t s) {
   KESTREL_CUDA_LAUNCHED();
 }
 
-void Decoder::step_graph(int batch, bool adv, cudaStream_t s) {
-  auto key = std::make_pair(batch, adv);
+void Decoder::step_graph(int batch, bool adv, cudaStream_t s, Logits rows) {
+  const auto key = std::make_tuple(batch, adv, rows);
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {
     if (s == nullptr) fail("internal: CUDA graphs need a stream other than the legacy default stream");
     cudaGraph_t g;
     KESTREL_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     try {
-      step(batch, s);
+      step(batch, s, nullptr, rows);
       if (adv) advance(batch, s);
     } catch (...) {
       cudaStreamEndCapture(s, &g);

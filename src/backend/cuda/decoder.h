@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <map>
+#include <tuple>
 #include <vector>
 
 #include "backend/cuda/attention.h"
@@ -48,12 +49,16 @@ class Decoder {
   const float* logits() const { return logits_; }
   const int32_t* next() const { return next_; }
 
+  // Which rows get logits (and a greedy next token): every row, or only the last one (a prompt's
+  // chunk of a one-sequence decoder, where only the last position's logits are wanted: the LM
+  // head, the largest matrix, then runs for one row instead of up to a whole chunk).
+  enum class Logits { All, Last };
   // Enqueues one step (kernels launched one by one) on the stream. With marks, each op is
   // reported as it is enqueued (OpTimer: an event after every op; OpGraph: during a capture).
-  void step(int batch, cudaStream_t s, OpMarks* marks = nullptr);
+  void step(int batch, cudaStream_t s, OpMarks* marks = nullptr, Logits rows = Logits::All);
   // The same step through the CUDA graph for this batch size (captured on first use); when
   // `advance`, the graph ends by copying next -> tokens and incrementing positions.
-  void step_graph(int batch, bool advance, cudaStream_t s);
+  void step_graph(int batch, bool advance, cudaStream_t s, Logits rows = Logits::All);
   // Kernel launches in one step (for the report).
   int launches_per_step() const { return launches_; }
 
@@ -69,8 +74,9 @@ class Decoder {
   void mla_attention(const DLayer& L, int layer, int batch, float* out, bool accumulate, cudaStream_t s, Op& op);
   // Split: x += sum over ranks of part_, then xn = RMSNorm(x) with `norm`.
   void reduce_add_norm(int batch, const float* norm, cudaStream_t s);
-  // Split: the vocabulary shares of the logits from every rank into logits_ [batch, vocab].
-  void gather_logits(int batch, cudaStream_t s);
+  // Split: the vocabulary shares of `rows` rows of logits from every rank into logits_ from row
+  // `first` on.
+  void gather_logits(int rows, int first, cudaStream_t s);
   KvLayer index_kv(int layer) const;
   template <typename T>
   T* buffer(size_t n);
@@ -94,7 +100,7 @@ class Decoder {
   int32_t *tokens_, *positions_, *next_;
   MoeScratch moe_;
   ArgmaxScratch argmax_;
-  std::map<std::pair<int, bool>, cudaGraphExec_t> graphs_;
+  std::map<std::tuple<int, bool, Logits>, cudaGraphExec_t> graphs_;
 };
 
 }  // namespace kestrel::cuda

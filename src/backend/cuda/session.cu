@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <vector>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/gpu_model.h"
@@ -6,17 +7,26 @@
 
 namespace kestrel::cuda {
 
-Session::Session(const DeviceModel& model, int max_context) : vocab_(model.config().vocab_size) {
-  decs_.push_back(std::make_unique<Decoder>(model, kChunk, max_context, true));
+namespace {
+int checked_chunk(int chunk) {
+  if (chunk < 1 || chunk > 256) fail("prefill chunk ", chunk, " outside 1..256");
+  return chunk;
+}
+}  // namespace
+
+Session::Session(const DeviceModel& model, int max_context, int chunk)
+    : chunk_(checked_chunk(chunk)), vocab_(model.config().vocab_size) {
+  decs_.push_back(std::make_unique<Decoder>(model, chunk_, max_context, true));
   KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
   streams_.push_back(own_stream_);
 }
 
-Session::Session(const GpuModel& model, int max_context) : gpus_(&model), vocab_(model.part(0).config().vocab_size) {
+Session::Session(const GpuModel& model, int max_context, int chunk)
+    : gpus_(&model), chunk_(checked_chunk(chunk)), vocab_(model.part(0).config().vocab_size) {
   decs_.resize(size_t(model.ranks()));
   for (int r = 0; r < model.ranks(); ++r) streams_.push_back(model.stream(r));
   model.each_rank([&](int r) {
-    decs_[size_t(r)] = std::make_unique<Decoder>(model.part(r), kChunk, max_context, true, model.link(r));
+    decs_[size_t(r)] = std::make_unique<Decoder>(model.part(r), chunk_, max_context, true, model.link(r));
   });
 }
 
@@ -45,14 +55,17 @@ void Session::run_rank(int rank, std::span<const int32_t> tokens, float* logits,
   const cudaStream_t stream = streams_[size_t(rank)];
   if (rank > 0) logits = nullptr;
   int pos = pos_;
-  for (size_t i = 0; i < tokens.size(); i += kChunk) {
-    const int n = int(std::min<size_t>(kChunk, tokens.size() - i));
-    int32_t p[kChunk];
-    for (int b = 0; b < n; ++b) p[b] = pos + b;
+  // Every rank runs the same steps (their collectives pair up), so the rows that get logits
+  // follow `all`, not whether this rank copies them out.
+  const Decoder::Logits rows = all ? Decoder::Logits::All : Decoder::Logits::Last;
+  std::vector<int32_t> p(static_cast<size_t>(chunk_));
+  for (size_t i = 0; i < tokens.size(); i += size_t(chunk_)) {
+    const int n = int(std::min<size_t>(size_t(chunk_), tokens.size() - i));
+    for (int b = 0; b < n; ++b) p[size_t(b)] = pos + b;
     // Pageable sources: the copies complete (staged) before these calls return.
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.tokens(), tokens.data() + i, size_t(n) * 4, cudaMemcpyHostToDevice, stream));
-    KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.positions(), p, size_t(n) * 4, cudaMemcpyHostToDevice, stream));
-    dec.step_graph(n, false, stream);
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.positions(), p.data(), size_t(n) * 4, cudaMemcpyHostToDevice, stream));
+    dec.step_graph(n, false, stream, rows);
     pos += n;
     if (!logits) continue;
     if (all) {

@@ -1,6 +1,6 @@
-// One sequence on the GPU: tokens go in after those already run, up to 8 consecutive tokens per
-// step (one graph replay of a decoder whose batch rows share the sequence's KV cache: a prompt
-// is prefilled 8 positions at a time, a generated token is one step), and the logits of a token
+// One sequence on the GPU: tokens go in after those already run, up to `chunk` consecutive tokens
+// per step (one graph replay of a decoder whose batch rows share the sequence's KV cache: a prompt
+// is prefilled a chunk at a time, a generated token is one step), and the logits of a token
 // come back to the host on request. A split model runs the same steps on every rank of its
 // RankGroup at once, each rank's graph holding its collectives.
 #pragma once
@@ -19,9 +19,12 @@ class GpuModel;
 
 class Session {
  public:
-  Session(const DeviceModel& model, int max_context);
+  // Positions per prefill step: each step reads the weights its tokens touch once, so larger
+  // chunks prefill faster, at the price of activation and attention scratch growing with it.
+  static constexpr int kDefaultChunk = 64;
+  Session(const DeviceModel& model, int max_context, int chunk = kDefaultChunk);
   // A model on the GPUs, split or not.
-  Session(const GpuModel& model, int max_context);
+  Session(const GpuModel& model, int max_context, int chunk = kDefaultChunk);
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
@@ -34,7 +37,6 @@ class Session {
   void reset() { pos_ = 0; }
 
  private:
-  static constexpr int kChunk = 8;  // positions per step
   // The steps of `tokens` on one rank's decoder; rank 0 copies the logits out.
   void run_rank(int rank, std::span<const int32_t> tokens, float* logits, bool all);
 
@@ -42,7 +44,7 @@ class Session {
   std::vector<std::unique_ptr<Decoder>> decs_;
   std::vector<cudaStream_t> streams_;
   cudaStream_t own_stream_ = nullptr;
-  int pos_ = 0;
+  int chunk_, pos_ = 0;
   int64_t vocab_;
 };
 
