@@ -127,7 +127,13 @@ INSTANTIATE_TEST_SUITE_P(
                       LinearCase{WeightFormat::F32, 65, 96, 4},
                       // Tall enough for the several-rows-per-group path (short ones take one row).
                       LinearCase{WeightFormat::NVFP4, 9000, 256, 2}, LinearCase{WeightFormat::NVFP4, 17000, 256, 3},
-                      LinearCase{WeightFormat::BF16, 9000, 64, 1}));
+                      LinearCase{WeightFormat::BF16, 9000, 64, 1},
+                      // 9..64 tokens per pass (the wide tensor-core kernel: 2, 4 or 8 groups of 8, the
+                      // last one partial), and passes of 64 followed by a shorter one.
+                      LinearCase{WeightFormat::NVFP4, 200, 2048, 9}, LinearCase{WeightFormat::NVFP4, 45, 192, 16},
+                      LinearCase{WeightFormat::NVFP4, 129, 4096, 27}, LinearCase{WeightFormat::NVFP4, 300, 1024, 64},
+                      LinearCase{WeightFormat::NVFP4, 77, 256, 70}, LinearCase{WeightFormat::BF16, 129, 776, 40},
+                      LinearCase{WeightFormat::BF16, 33, 128, 129}));
 
 TEST(CudaOps, ThreeJobsInOneLaunch) {
   std::mt19937 rng(7);

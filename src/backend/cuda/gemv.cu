@@ -109,6 +109,72 @@ __global__ void __launch_bounds__(kWarps * 32) mma_linear_kernel(Jobs jobs, cons
   }
 }
 
+// 9..64 tokens (nb), as mma_linear_kernel with G groups of 8 tokens per pass: each chunk of a
+// tile is dequantized once (a_frag) and multiplied by every group's activations, so the
+// dequantization, which bounds the tensor-core path, is paid once per 8G tokens instead of per 8.
+template <int G>
+__global__ void __launch_bounds__(kWarps * 32) mma_linear_wide_kernel(Jobs jobs, const float* __restrict__ x, int nb,
+                                                                     int accumulate) {
+  __shared__ float red[kWarps][4 * G][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int blk = blockIdx.x, jb = 0;
+  while (blk >= jobs.blocks[jb]) blk -= jobs.blocks[jb++];
+  const DLinear& W = jobs.j[jb].w;
+  const int ks = jobs.ks[jb], tiles = kWarps / ks;
+  const int r0 = (blk * tiles + warp / ks) * 16, wk = warp % ks;
+  prefetch_rows_l2(W, blk * tiles * 16, tiles * 16);
+  pdl_enter();
+  const int g = lane >> 2, j = lane & 3;
+  const int ra = min(r0 + g, W.out - 1), rb = min(r0 + g + 8, W.out - 1);
+  const bool fp4 = W.format == DFormat::NVFP4;
+  float acc[G][4];
+  #pragma unroll
+  for (int q = 0; q < G; ++q) acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = 0.0f;
+  if (r0 < W.out) {
+    #pragma unroll 1
+    for (int c = wk; c < W.in / 64; c += ks) {
+      const AFrag A = a_frag(W, ra, rb, c, j);
+      #pragma unroll
+      for (int q = 0; q < G; ++q) {
+        const int t = 8 * q + g;
+        const float* xg = t < nb ? x + size_t(t) * W.in : nullptr;
+        mma_afrag(A, fp4 ? x_frag<true>(xg, c, j) : x_frag<false>(xg, c, j), acc[q]);
+      }
+    }
+  }
+  if (ks > 1) {
+    #pragma unroll
+    for (int q = 0; q < G; ++q)
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp][4 * q + i][lane] = acc[q][i];
+    __syncthreads();
+    if (wk != 0) return;
+    for (int w = warp + 1; w < warp + ks; ++w)
+      #pragma unroll
+      for (int q = 0; q < G; ++q)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) acc[q][i] += red[w][4 * q + i][lane];
+  }
+  if (r0 >= W.out) return;
+  float* y = jobs.j[jb].y;
+  const float k = mma_unscale(W);
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = r0 + g + 8 * h;
+    if (row >= W.out) continue;
+    const float bias = W.bias ? W.bias[row] : 0.0f;
+    #pragma unroll
+    for (int q = 0; q < G; ++q)
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int b = 8 * q + 2 * j + e;
+        if (b >= nb) continue;
+        float* p = y + size_t(b) * W.out + row;
+        *p = (accumulate ? *p : 0.0f) + acc[q][2 * h + e] * k + bias;
+      }
+  }
+}
+
 template <int B>
 __global__ void __launch_bounds__(kWarps * 32) gated_kernel(DLinear gate, DLinear up, int ks, const float* __restrict__ x,
                                                             float* __restrict__ out) {
@@ -170,28 +236,43 @@ void by_batch(int batch, F&& f) {
 
 void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, bool accumulate, cudaStream_t s) {
   if (njobs < 1 || njobs > 3) fail("internal: launch_linear takes 1 to 3 jobs");
-  for (int b0 = 0; b0 < batch; b0 += 8) {
-    const int nb = std::min(8, batch - b0);
+  bool tc = true;  // every job fits the tensor-core tiles
+  for (int i = 0; i < njobs; ++i)
+    tc &= (jobs[i].w.format == DFormat::NVFP4 || jobs[i].w.format == DFormat::BF16) && jobs[i].w.in % 64 == 0;
+  // Passes of up to 64 tokens on tensor cores (more than 8: the wide kernel), else of up to 8.
+  for (int b0 = 0, nb = 0; b0 < batch; b0 += nb) {
+    const bool wide = tc && batch - b0 > 8;
+    nb = std::min(wide ? 64 : 8, batch - b0);
     const float* xb = x + size_t(b0) * jobs[0].w.in;
-    bool mma = nb >= mma_min_batch();
-    for (int i = 0; i < njobs; ++i)
-      mma &= (jobs[i].w.format == DFormat::NVFP4 || jobs[i].w.format == DFormat::BF16) && jobs[i].w.in % 64 == 0;
-    by_batch(nb, [&](auto B) {
-      // Rows per warp group: a 16-row tile on tensor cores, R rows on CUDA cores.
-      constexpr int R = rows_per_warp<B()>();
+    const bool mma = tc && nb >= mma_min_batch();
+    auto jobs_for = [&](int rows_per_tile) {
       Jobs J{};
       J.n = njobs;
       for (int i = 0; i < njobs; ++i) {
         J.j[i] = jobs[i];
         J.j[i].y = jobs[i].y + size_t(b0) * jobs[i].w.out;
         J.ks[i] = mma ? mma_warps_per_tile(jobs[i].w.in) : warps_per_row(jobs[i].w);
-        const int rows_per_block = (kWarps / J.ks[i]) * (mma ? 16 : R);
+        const int rows_per_block = (kWarps / J.ks[i]) * rows_per_tile;
         J.blocks[i] = (jobs[i].w.out + rows_per_block - 1) / rows_per_block;
         J.blocks_total += J.blocks[i];
       }
-      launch(mma ? mma_linear_kernel<B()> : linear_kernel<B()>, dim3(unsigned(J.blocks_total)), dim3(kWarps * 32), 0, s,
-             J, xb, accumulate ? 1 : 0);
-    });
+      return J;
+    };
+    const int acc = accumulate ? 1 : 0;
+    if (wide) {
+      const Jobs J = jobs_for(16);
+      const dim3 grid(unsigned(J.blocks_total)), block(kWarps * 32);
+      if (nb <= 16) launch(mma_linear_wide_kernel<2>, grid, block, 0, s, J, xb, nb, acc);
+      else if (nb <= 32) launch(mma_linear_wide_kernel<4>, grid, block, 0, s, J, xb, nb, acc);
+      else launch(mma_linear_wide_kernel<8>, grid, block, 0, s, J, xb, nb, acc);
+    } else {
+      by_batch(nb, [&](auto B) {
+        // Rows per warp group: a 16-row tile on tensor cores, R rows on CUDA cores.
+        const Jobs J = jobs_for(mma ? 16 : rows_per_warp<B()>());
+        launch(mma ? mma_linear_kernel<B()> : linear_kernel<B()>, dim3(unsigned(J.blocks_total)), dim3(kWarps * 32), 0, s,
+               J, xb, acc);
+      });
+    }
     KESTREL_CUDA_LAUNCHED();
   }
 }

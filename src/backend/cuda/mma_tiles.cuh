@@ -86,31 +86,33 @@ __device__ __forceinline__ XFrag x_frag(const float* __restrict__ xg, int c, int
   return x;
 }
 
-// Adds chunk c (weights [64c, 64c + 64)) of the tile's rows ra = r0 + g and rb = r0 + g + 8
-// times the activations of x (x_frag<true> of the same chunk) to acc: acc[0..1] rows ra, tokens
-// 2j and 2j + 1; acc[2..3] the same for rb.
-__device__ __forceinline__ void nvfp4_mma_chunk(const DLinear& W, int ra, int rb, const XFrag& x, int c, int j,
-                                                float (&acc)[4]) {
+// The A fragments of chunk c (weights [64c, 64c + 64)) of the tile's rows ra = r0 + g and
+// rb = r0 + g + 8, for the chunk's four k-steps: dequantized once, they serve every group of 8
+// tokens multiplied by the chunk (mma_afrag).
+struct AFrag {
+  uint32_t a[4][4];
+};
+
+__device__ __forceinline__ AFrag nvfp4_a_frag(const DLinear& W, int ra, int rb, int c, int j) {
   const int K = W.in;
   const uint2 qa = __ldg(reinterpret_cast<const uint2*>(W.data + size_t(ra) * (K / 2)) + 4 * c + j);
   const uint2 qb = __ldg(reinterpret_cast<const uint2*>(W.data + size_t(rb) * (K / 2)) + 4 * c + j);
   const uint8_t sa = __ldg(W.scales + size_t(ra) * (K / 16) + 4 * c + j);
   const uint8_t sb = __ldg(W.scales + size_t(rb) * (K / 16) + 4 * c + j);
   const __half2 ha = bits_h2(scale_h2(sa)), hb = bits_h2(scale_h2(sb));
+  AFrag f;
   #pragma unroll
   for (int t = 0; t < 4; ++t) {
-    const uint32_t a[4] = {h2_bits(__hmul2(bits_h2(e2m1_pair(qa.x, t)), ha)),
-                           h2_bits(__hmul2(bits_h2(e2m1_pair(qb.x, t)), hb)),
-                           h2_bits(__hmul2(bits_h2(e2m1_pair(qa.y, t)), ha)),
-                           h2_bits(__hmul2(bits_h2(e2m1_pair(qb.y, t)), hb))};
-    mma_16816(acc, a, x.hi[t][0], x.hi[t][1]);
-    mma_16816(acc, a, x.lo[t][0], x.lo[t][1]);
+    f.a[t][0] = h2_bits(__hmul2(bits_h2(e2m1_pair(qa.x, t)), ha));
+    f.a[t][1] = h2_bits(__hmul2(bits_h2(e2m1_pair(qb.x, t)), hb));
+    f.a[t][2] = h2_bits(__hmul2(bits_h2(e2m1_pair(qa.y, t)), ha));
+    f.a[t][3] = h2_bits(__hmul2(bits_h2(e2m1_pair(qb.y, t)), hb));
   }
+  return f;
 }
 
-// The same for BF16 rows (x from x_frag<false>): 32 bytes of each row per lane and chunk.
-__device__ __forceinline__ void bf16_mma_chunk(const DLinear& W, int ra, int rb, const XFrag& x, int c, int j,
-                                               float (&acc)[4]) {
+// The same for BF16 rows: 32 bytes of each row per lane and chunk.
+__device__ __forceinline__ AFrag bf16_a_frag(const DLinear& W, int ra, int rb, int c, int j) {
   const int K = W.in;
   const uint4* pa = reinterpret_cast<const uint4*>(W.data + (size_t(ra) * K + 64 * c + 16 * j) * 2);
   const uint4* pb = reinterpret_cast<const uint4*>(W.data + (size_t(rb) * K + 64 * c + 16 * j) * 2);
@@ -122,12 +124,41 @@ __device__ __forceinline__ void bf16_mma_chunk(const DLinear& W, int ra, int rb,
   auto to_h2 = [](uint32_t u) {
     return h2_bits(__float22half2_rn(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u))));
   };
+  AFrag f;
   #pragma unroll
   for (int t = 0; t < 4; ++t) {
-    const uint32_t a[4] = {to_h2(word(wa, t)), to_h2(word(wb, t)), to_h2(word(wa, 4 + t)), to_h2(word(wb, 4 + t))};
-    mma_16816(acc, a, x.hi[t][0], x.hi[t][1]);
-    mma_16816(acc, a, x.lo[t][0], x.lo[t][1]);
+    f.a[t][0] = to_h2(word(wa, t));
+    f.a[t][1] = to_h2(word(wb, t));
+    f.a[t][2] = to_h2(word(wa, 4 + t));
+    f.a[t][3] = to_h2(word(wb, 4 + t));
   }
+  return f;
+}
+
+__device__ __forceinline__ AFrag a_frag(const DLinear& W, int ra, int rb, int c, int j) {
+  return W.format == DFormat::NVFP4 ? nvfp4_a_frag(W, ra, rb, c, j) : bf16_a_frag(W, ra, rb, c, j);
+}
+
+// acc += A x (the activations of x, from x_frag of the same chunk and format): acc[0..1] rows
+// ra, tokens 2j and 2j + 1 of the group; acc[2..3] the same for rb.
+__device__ __forceinline__ void mma_afrag(const AFrag& A, const XFrag& x, float (&acc)[4]) {
+  #pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    mma_16816(acc, A.a[t], x.hi[t][0], x.hi[t][1]);
+    mma_16816(acc, A.a[t], x.lo[t][0], x.lo[t][1]);
+  }
+}
+
+// Adds chunk c of the tile's rows times the activations of x (x_frag<true> of the same chunk).
+__device__ __forceinline__ void nvfp4_mma_chunk(const DLinear& W, int ra, int rb, const XFrag& x, int c, int j,
+                                                float (&acc)[4]) {
+  mma_afrag(nvfp4_a_frag(W, ra, rb, c, j), x, acc);
+}
+
+// The same for BF16 rows (x from x_frag<false>).
+__device__ __forceinline__ void bf16_mma_chunk(const DLinear& W, int ra, int rb, const XFrag& x, int c, int j,
+                                               float (&acc)[4]) {
+  mma_afrag(bf16_a_frag(W, ra, rb, c, j), x, acc);
 }
 
 // Chunk c of W (NVFP4 or BF16) times token g's activations xg.
