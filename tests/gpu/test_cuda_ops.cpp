@@ -153,20 +153,30 @@ TEST(CudaOps, ThreeJobsInOneLaunch) {
   }
 }
 
+// CUDA cores (1 token, K % 64 != 0) and tensor cores (2..32 tokens per pass: 1, 2 or 4 groups
+// of 8, passes of 32 followed by a shorter one), NVFP4 and BF16.
 TEST(CudaOps, GatedMatchesCpu) {
   std::mt19937 rng(11);
-  for (int B : {1, 4, 9}) {
-    RandomLinear g(96, 512, WeightFormat::NVFP4, rng), u(96, 512, WeightFormat::NVFP4, rng);
-    const auto x = test::random_floats(size_t(B) * 512, rng);
+  struct Case {
+    WeightFormat f;
+    int out, in, B;
+  };
+  for (const Case k : {Case{WeightFormat::NVFP4, 96, 512, 1}, Case{WeightFormat::NVFP4, 96, 512, 4},
+                       Case{WeightFormat::NVFP4, 96, 512, 9}, Case{WeightFormat::NVFP4, 200, 2048, 27},
+                       Case{WeightFormat::NVFP4, 77, 4096, 40}, Case{WeightFormat::NVFP4, 64, 784, 5},
+                       Case{WeightFormat::BF16, 130, 1024, 8}, Case{WeightFormat::BF16, 45, 192, 33}}) {
+    const int B = k.B;
+    RandomLinear g(k.out, k.in, k.f, rng), u(k.out, k.in, k.f, rng);
+    const auto x = test::random_floats(size_t(B) * k.in, rng);
     ThreadPool pool(1);
-    std::vector<float> gr(size_t(B) * 96), ur(gr.size()), ref(gr.size());
+    std::vector<float> gr(size_t(B) * k.out), ur(gr.size()), ref(gr.size());
     cpu::linear(g.host, x.data(), B, gr.data(), pool);
     cpu::linear(u.host, x.data(), B, ur.data(), pool);
     cpu::silu_mul(gr.data(), ur.data(), int64_t(gr.size()), ref.data());
     DeviceBuffer<float> dx(x), out(ref.size());
     out.poison();
     cuda::launch_gated(g.dev, u.dev, dx.get(), B, out.get(), nullptr);
-    EXPECT_LE(test::rel_err(out.download(), ref), kTol) << "batch " << B;
+    EXPECT_LE(test::rel_err(out.download(), ref), kTol) << "batch " << B << ", " << k.out << " x " << k.in;
   }
 }
 

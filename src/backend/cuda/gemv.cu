@@ -208,6 +208,74 @@ __global__ void __launch_bounds__(kWarps * 32) gated_kernel(DLinear gate, DLinea
   }
 }
 
+// A dense gated FFN's gate and up products for 2..32 tokens (nb) on tensor cores, SiLU(gate) x up
+// written per token: G groups of 8 tokens per pass, each chunk of a gate tile and of the same up
+// tile dequantized once and shared by the groups (G <= 4 bounds registers). Grid and K split as
+// in mma_linear_wide_kernel.
+template <int G>
+__global__ void __launch_bounds__(kWarps * 32) mma_gated_kernel(DLinear gate, DLinear up, int ks,
+                                                                const float* __restrict__ x, int nb,
+                                                                float* __restrict__ out) {
+  __shared__ float red[kWarps][8 * G][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tiles = kWarps / ks;
+  const int r0 = (blockIdx.x * tiles + warp / ks) * 16, wk = warp % ks;
+  prefetch_rows_l2(gate, blockIdx.x * tiles * 16, tiles * 16);
+  prefetch_rows_l2(up, blockIdx.x * tiles * 16, tiles * 16);
+  pdl_enter();
+  const int g = lane >> 2, j = lane & 3;
+  const int ra = min(r0 + g, gate.out - 1), rb = min(r0 + g + 8, gate.out - 1);
+  const bool fp4 = gate.format == DFormat::NVFP4;
+  float ag[G][4], au[G][4];
+  #pragma unroll
+  for (int q = 0; q < G; ++q)
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) ag[q][i] = au[q][i] = 0.0f;
+  if (r0 < gate.out) {
+    #pragma unroll 1
+    for (int c = wk; c < gate.in / 64; c += ks) {
+      const AFrag Ag = a_frag(gate, ra, rb, c, j), Au = a_frag(up, ra, rb, c, j);
+      #pragma unroll
+      for (int q = 0; q < G; ++q) {
+        const int t = 8 * q + g;
+        const float* xg = t < nb ? x + size_t(t) * gate.in : nullptr;
+        const XFrag xf = fp4 ? x_frag<true>(xg, c, j) : x_frag<false>(xg, c, j);
+        mma_afrag(Ag, xf, ag[q]);
+        mma_afrag(Au, xf, au[q]);
+      }
+    }
+  }
+  if (ks > 1) {
+    #pragma unroll
+    for (int q = 0; q < G; ++q)
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp][8 * q + i][lane] = ag[q][i], red[warp][8 * q + 4 + i][lane] = au[q][i];
+    __syncthreads();
+    if (wk != 0) return;
+    for (int w = warp + 1; w < warp + ks; ++w)
+      #pragma unroll
+      for (int q = 0; q < G; ++q)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) ag[q][i] += red[w][8 * q + i][lane], au[q][i] += red[w][8 * q + 4 + i][lane];
+  }
+  if (r0 >= gate.out) return;
+  const float kg = mma_unscale(gate), ku = mma_unscale(up);
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = r0 + g + 8 * h;
+    if (row >= gate.out) continue;
+    const float bg = gate.bias ? gate.bias[row] : 0.0f, bu = up.bias ? up.bias[row] : 0.0f;
+    #pragma unroll
+    for (int q = 0; q < G; ++q)
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int b = 8 * q + 2 * j + e;
+        if (b >= nb) continue;
+        const float gv = ag[q][2 * h + e] * kg + bg, uv = au[q][2 * h + e] * ku + bu;
+        out[size_t(b) * gate.out + row] = gv / (1.0f + __expf(-gv)) * uv;
+      }
+  }
+}
+
 // Batches from this size take the tensor-core path for NVFP4 (KESTREL_MMA_MIN_BATCH, for A/B runs).
 int mma_min_batch() {
   static const int v = [] {
@@ -278,15 +346,30 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
 }
 
 void launch_gated(const DLinear& gate, const DLinear& up, const float* x, int batch, float* out, cudaStream_t s) {
-  for (int b0 = 0; b0 < batch; b0 += 8) {
-    const int nb = std::min(8, batch - b0);
-    by_batch(nb, [&](auto B) {
-      constexpr int R = rows_per_warp<B()>();
-      const int ks = warps_per_row(gate), rows_per_block = (kWarps / ks) * R;
-      const unsigned grid = unsigned((gate.out + rows_per_block - 1) / rows_per_block);
-      launch(gated_kernel<B()>, dim3(grid), dim3(kWarps * 32), 0, s, gate, up, ks, x + size_t(b0) * gate.in,
-             out + size_t(b0) * gate.out);
-    });
+  auto on_tc = [](const DLinear& w) {
+    return (w.format == DFormat::NVFP4 || w.format == DFormat::BF16) && w.in % 64 == 0;
+  };
+  const bool tc = on_tc(gate) && on_tc(up) && gate.format == up.format && gate.in == up.in && gate.out == up.out;
+  // Passes of up to 32 tokens on tensor cores (from mma_min_batch tokens), else of up to 8.
+  for (int b0 = 0, nb = 0; b0 < batch; b0 += nb) {
+    const bool mma = tc && batch - b0 >= mma_min_batch();
+    nb = std::min(mma ? 32 : 8, batch - b0);
+    const float* xb = x + size_t(b0) * gate.in;
+    float* ob = out + size_t(b0) * gate.out;
+    if (mma) {
+      const int ks = mma_warps_per_tile(gate.in), rows_per_block = (kWarps / ks) * 16;
+      const dim3 grid(unsigned((gate.out + rows_per_block - 1) / rows_per_block)), block(kWarps * 32);
+      if (nb <= 8) launch(mma_gated_kernel<1>, grid, block, 0, s, gate, up, ks, xb, nb, ob);
+      else if (nb <= 16) launch(mma_gated_kernel<2>, grid, block, 0, s, gate, up, ks, xb, nb, ob);
+      else launch(mma_gated_kernel<4>, grid, block, 0, s, gate, up, ks, xb, nb, ob);
+    } else {
+      by_batch(nb, [&](auto B) {
+        constexpr int R = rows_per_warp<B()>();
+        const int ks = warps_per_row(gate), rows_per_block = (kWarps / ks) * R;
+        const unsigned grid = unsigned((gate.out + rows_per_block - 1) / rows_per_block);
+        launch(gated_kernel<B()>, dim3(grid), dim3(kWarps * 32), 0, s, gate, up, ks, xb, ob);
+      });
+    }
     KESTREL_CUDA_LAUNCHED();
   }
 }
