@@ -31,7 +31,11 @@
 namespace kestrel::apps {
 namespace {
 
-constexpr int kMaxGpuBatch = 8;  // cuda::GpuSlots::kMaxSlots: the decode kernels' largest batch
+#ifdef KESTREL_HAVE_CUDA
+constexpr int kMaxGpuBatch = cuda::GpuSlots::kMaxSlots;
+#else
+constexpr int kMaxGpuBatch = 64;  // cuda::GpuSlots::kMaxSlots, for the help text
+#endif
 
 struct Options {
   std::string model, host = "127.0.0.1", api_key, name;
@@ -72,7 +76,9 @@ Run add_serve(CLI::App& app) {
   app.add_option("--served-model-name", o->name, "Model id clients ask for (default: the model's file or folder name)");
   app.add_option("--max-batch", o->max_batch, "Sequences running at once (default 16)");
   app.add_option("--context", o->context, "Most positions per sequence (default: the model's, at most 8192)");
-  app.add_option("--kv-tokens", o->kv_tokens, "KV cache positions shared by all sequences (default 32 x context)");
+  app.add_option("--kv-tokens", o->kv_tokens,
+                 "KV cache positions shared by all sequences (default: on the GPU max batch x context, or what fits "
+                 "in 90% of the free GPU memory if less; on the CPU 32 x context)");
   app.add_option("--kv-blocks", o->kv_blocks, "The same in blocks of 16 positions");
   app.add_option("--kv-memory", o->kv_memory, "The same as memory (e.g. 8GiB, 512MB)");
   app.add_option("--grace", o->grace, "Seconds running requests get to finish on SIGINT/SIGTERM (default 10)");
@@ -107,7 +113,8 @@ Run add_serve(CLI::App& app) {
     EngineOptions eo;
     eo.max_batch = o->max_batch;
     eo.context = o->context;
-    eo.kv_tokens = kv_positions(*o, model->config);
+    const int64_t kv_given = kv_positions(*o, model->config);  // 0: the device's default
+    eo.kv_tokens = kv_given;
     eo.threads = o->threads;
     eo.layout = o->layout;
     check_layout(eo.layout, long(model->config.num_experts));
@@ -123,13 +130,21 @@ Run add_serve(CLI::App& app) {
           eo.max_batch = kMaxGpuBatch;
         }
         gpus = std::make_unique<cuda::GpuModel>(*model, eo.layout);
-        slots = std::make_unique<cuda::GpuSlots>(*gpus, eo.max_batch, int(engine_context(*model, eo)));
+        auto gpu_slots = std::make_unique<cuda::GpuSlots>(*gpus, eo.max_batch, int(engine_context(*model, eo)), kv_given);
+        eo.kv_tokens = gpu_slots->kv_positions();  // the engine admits what the pool holds
+        if (kv_given == 0)
+          std::fprintf(stderr, "kestrel: GPU KV cache: %s (%s)\n", gpu_slots->kv_summary().c_str(),
+                       eo.kv_tokens >= int64_t(eo.max_batch) * engine_context(*model, eo)
+                           ? "a whole context for every sequence of --max-batch"
+                           : "what fits in 90% of the free GPU memory; --kv-tokens/--kv-memory set it");
+        slots = std::move(gpu_slots);
       } catch (const Error& e) {
         if (o->device == "cuda") throw;
         std::fprintf(stderr, "kestrel: serving on the CPU: %s\n", e.what());
         slots.reset();
         gpus.reset();
         eo.max_batch = o->max_batch;
+        eo.kv_tokens = kv_given;
       }
     }
 #else

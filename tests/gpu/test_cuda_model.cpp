@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
+#include <random>
 
 #include "../unit/fixture.h"
 #include "backend/cpu/forward.h"
@@ -174,6 +176,74 @@ TEST_P(CudaModelTest, BatchAndGraphAgree) {
     want.push_back(cur);
   }
   EXPECT_EQ(got, want);
+}
+
+// The batched decoder on a pool of its own with shuffled block tables (and blocks no table
+// names) gives the identity tables' logits bit for bit. Then a one-sequence decoder borrowing
+// that pool prefills sequence 1 afresh in sequence 1's blocks (its table row copied from the
+// batched decoder's), and the batched decoder goes on decoding it: the CPU's logits throughout.
+TEST_P(CudaModelTest, PagedTablesAndABorrowedPoolMatchCpu) {
+  const std::string dir = test::fixture_dir(GetParam());
+  auto model = load_model(dir);
+  const test::Reference ref = test::load_reference(dir);
+  const int64_t T = int64_t(ref.tokens.size()), V = ref.vocab;
+  auto dm = cuda::DeviceModel::upload(*model);
+  const int B = 3;
+  cuda::Decoder ident(*dm, B, int(T));
+  const int n = ident.table_stride();
+  EXPECT_EQ(n, (T + 15) / 16);
+  EXPECT_EQ(ident.kv_blocks(), int64_t(B) * n);
+  cuda::KvSource own;
+  own.blocks = int64_t(B) * n + 7;
+  cuda::Decoder paged(*dm, B, int(T), false, nullptr, own);
+  ASSERT_EQ(paged.kv_blocks(), own.blocks);
+  std::vector<int32_t> ids(size_t(own.blocks));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::mt19937 rng(3);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  for (int b = 0; b < B; ++b) paged.set_table(b, {ids.data() + size_t(b) * size_t(n), size_t(n)}, nullptr);
+
+  auto token = [&](int b, int64_t t) { return ref.tokens[size_t(b == 1 ? T - 1 - t : (t + b) % T)]; };
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int32_t> tokens, positions;
+    for (int b = 0; b < B; ++b) {
+      tokens.push_back(token(b, t));
+      positions.push_back(int32_t(t));
+    }
+    set_inputs(ident, tokens, positions);
+    ident.step(B, nullptr);
+    set_inputs(paged, tokens, positions);
+    paged.step(B, nullptr);
+    EXPECT_EQ(logits_of(paged, B, V), logits_of(ident, B, V)) << "step " << t;
+  }
+
+  ThreadPool pool(2);
+  cpu::Forward fwd(*model, pool);
+  KvCache cache = fwd.make_cache(T);
+  std::vector<float> want(static_cast<size_t>(T * V));
+  fwd.run(ref.tokens, cache, want.data());
+  cuda::KvSource borrow;
+  borrow.borrow = &paged;
+  cuda::Decoder prefill(*dm, 8, int(T), true, nullptr, borrow);
+  EXPECT_EQ(prefill.kv_blocks(), paged.kv_blocks());
+  KESTREL_CUDA_CHECK(cudaMemcpy(prefill.table(), paged.table() + size_t(n), size_t(n) * 4, cudaMemcpyDeviceToDevice));
+  const int64_t P = T / 2;
+  for (int64_t i = 0; i < P; i += 8) {
+    const int c = int(std::min<int64_t>(8, P - i));
+    std::vector<int32_t> tokens(ref.tokens.begin() + i, ref.tokens.begin() + i + c), positions(static_cast<size_t>(c));
+    std::iota(positions.begin(), positions.end(), int32_t(i));
+    set_inputs(prefill, tokens, positions);
+    prefill.step(c, nullptr);
+    const auto got = logits_of(prefill, c, V);
+    for (int r = 0; r < c; ++r)
+      EXPECT_LE(test::rel_l2(got.data() + r * V, want.data() + (i + r) * V, V), kVsCpu) << "prefill position " << i + r;
+  }
+  for (int64_t t = P; t < T; ++t) {  // rows 0 and 2 rewrite position 0 of their own sequences
+    set_inputs(paged, {ref.tokens[0], ref.tokens[size_t(t)], ref.tokens[0]}, {0, int32_t(t), 0});
+    paged.step(B, nullptr);
+    const auto got = logits_of(paged, B, V);
+    EXPECT_LE(test::rel_l2(got.data() + V, want.data() + t * V, V), kVsCpu) << "position " << t;
+  }
 }
 
 // The graph profile of a step (kestrel bench --ops, kestrel profile) sees every op and every

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <iterator>
 #include <numeric>
 #include <random>
 
@@ -20,6 +21,7 @@
 #include "common/numeric.h"
 #include "../unit/fixture.h"
 #include "device_buffer.h"
+#include "paged_kv.h"
 
 namespace kestrel {
 namespace {
@@ -340,6 +342,21 @@ TEST(CudaOps, MoeMatchesCpu) {
   }
 }
 
+// The split of decode attention covers every position in at most 64 chunks of whole KV blocks.
+TEST(CudaOps, AttentionSplitCutsWholeBlocks) {
+  for (int ctx : {1, 15, 16, 17, 70, 100, 1000, 4096, 4097, 8192, 131072}) {
+    const cuda::AttentionSplit s = cuda::attention_split(ctx);
+    EXPECT_EQ(s.chunk % cuda::kKvBlock, 0) << ctx;
+    EXPECT_GE(s.splits, 1) << ctx;
+    EXPECT_LE(s.splits, 64) << ctx;
+    EXPECT_GE(int64_t(s.splits) * s.chunk, ctx) << ctx;
+    EXPECT_LT(int64_t(s.splits - 1) * s.chunk, ctx) << ctx << ": an empty split";
+  }
+}
+
+// QK norm + rotary + the key/value store, then decode attention, in a paged cache: the identity
+// block tables and shuffled ones (over a pool with unused NaN blocks) give the CPU's result and
+// the same bits as each other, whatever the split.
 TEST(CudaOps, QkRopeAttentionMatchCpu) {
   std::mt19937 rng(13);
   struct Case {
@@ -359,7 +376,7 @@ TEST(CudaOps, QkRopeAttentionMatchCpu) {
     // Per sequence: history keys/values for positions < pos, then the new token's q, k, v.
     std::vector<KvCache> caches;
     const size_t row = size_t(cs.nkv) * cs.hd;
-    std::vector<float> kv_k(size_t(B) * cap * row), kv_v(kv_k.size());
+    std::vector<std::vector<float>> hist_k(B), hist_v(B);  // [pos[b], row]
     const auto q = test::random_floats(size_t(B) * cs.nq * cs.hd, rng);
     const auto k = test::random_floats(size_t(B) * row, rng), v = test::random_floats(size_t(B) * row, rng);
     std::vector<float> ref(q.size());
@@ -367,12 +384,11 @@ TEST(CudaOps, QkRopeAttentionMatchCpu) {
       caches.emplace_back(1, cs.nkv, cs.hd, cap);
       KvCache& c = caches.back();
       c.reserve(cap);  // every position is written below
+      hist_k[size_t(b)] = test::random_floats(size_t(pos[size_t(b)]) * row, rng);
+      hist_v[size_t(b)] = test::random_floats(size_t(pos[size_t(b)]) * row, rng);
       for (int p = 0; p < pos[size_t(b)]; ++p) {
-        const auto hk = test::random_floats(row, rng), hv = test::random_floats(row, rng);
-        std::copy(hk.begin(), hk.end(), c.k(0, p));
-        std::copy(hv.begin(), hv.end(), c.v(0, p));
-        std::copy(hk.begin(), hk.end(), kv_k.begin() + (size_t(b) * cap + p) * row);
-        std::copy(hv.begin(), hv.end(), kv_v.begin() + (size_t(b) * cap + p) * row);
+        std::copy_n(hist_k[size_t(b)].data() + size_t(p) * row, row, c.k(0, p));
+        std::copy_n(hist_v[size_t(b)].data() + size_t(p) * row, row, c.v(0, p));
       }
       std::vector<float> qb(q.begin() + b * cs.nq * cs.hd, q.begin() + (b + 1) * cs.nq * cs.hd);
       std::vector<float> kb(k.begin() + b * row, k.begin() + (b + 1) * row);
@@ -389,22 +405,104 @@ TEST(CudaOps, QkRopeAttentionMatchCpu) {
       cpu::attention(qb.data(), 1, pos[size_t(b)], cs.nq, cs.nkv, cs.hd, 1.0f / std::sqrt(float(cs.hd)), c, 0,
                      ref.data() + size_t(b) * cs.nq * cs.hd, pool);
     }
-    DeviceBuffer<float> dq(q), dk(k), dv(v), dkk(kv_k), dvv(kv_v), dout(q.size()), dqn(qn), dkn(kn);
-    DeviceBuffer<float> dinv(tables.inv_freq);
-    DeviceBuffer<int32_t> dpos(pos);
-    dout.poison();
-    cuda::RopeArgs ra{dinv.get(), 1.0f, cs.rot, cs.interleaved};
-    cuda::KvLayer kvl{dkk.get(), dvv.get(), int64_t(cap) * int64_t(row)};
-    cuda::launch_qk_rope_store(dq.get(), dk.get(), dv.get(), B, cs.nq, cs.nkv, cs.hd, cs.norm ? dqn.get() : nullptr,
-                               cs.norm ? dkn.get() : nullptr, 1e-6f, ra, dpos.get(), kvl, nullptr);
-    for (cuda::AttentionSplit split : {cuda::attention_split(cap), cuda::AttentionSplit{1, cap}, cuda::AttentionSplit{9, 8}}) {
-      DeviceBuffer<float> scratch(cuda::attention_scratch_floats(B, cs.nq, cs.hd, split));
-      dout.poison();
-      cuda::launch_decode_attention(dq.get(), B, cs.nq, cs.nkv, cs.hd, 1.0f / std::sqrt(float(cs.hd)), dpos.get(), kvl,
-                                    split, scratch.get(), dout.get(), nullptr);
-      EXPECT_LE(test::rel_err(dout.download(), ref), 1e-5) << "hd " << cs.hd << ", " << split.splits << " splits";
+    // Chunks of whole blocks, one chunk, and chunks that cut blocks (11: a warp's four positions
+    // may straddle two blocks).
+    const cuda::AttentionSplit splits[] = {cuda::attention_split(cap), cuda::AttentionSplit{1, cap},
+                                           cuda::AttentionSplit{9, 8}, cuda::AttentionSplit{7, 11}};
+    std::vector<std::vector<float>> identity_out;  // per split
+    for (bool shuffled : {false, true}) {
+      test::PagedKv kv(B, cap, int(row), shuffled, rng);
+      for (int b = 0; b < B; ++b)
+        for (int p = 0; p < pos[size_t(b)]; ++p) {
+          std::copy_n(hist_k[size_t(b)].data() + size_t(p) * row, row, kv.k(b, p));
+          std::copy_n(hist_v[size_t(b)].data() + size_t(p) * row, row, kv.v(b, p));
+        }
+      kv.upload();
+      DeviceBuffer<float> dq(q), dk(k), dv(v), dout(q.size()), dqn(qn), dkn(kn);
+      DeviceBuffer<float> dinv(tables.inv_freq);
+      DeviceBuffer<int32_t> dpos(pos);
+      cuda::RopeArgs ra{dinv.get(), 1.0f, cs.rot, cs.interleaved};
+      const cuda::KvLayer kvl = kv.layer();
+      cuda::launch_qk_rope_store(dq.get(), dk.get(), dv.get(), B, cs.nq, cs.nkv, cs.hd, cs.norm ? dqn.get() : nullptr,
+                                 cs.norm ? dkn.get() : nullptr, 1e-6f, ra, dpos.get(), kvl, nullptr);
+      for (int b = 0; b < B; ++b) {  // the new rows went into the sequence's own block
+        const int n = pos[size_t(b)] + 1;
+        const std::vector<float> kr = kv.k_rows(b, n), vr = kv.v_rows(b, n);
+        const float* want_k = caches[size_t(b)].k(0, n - 1);
+        EXPECT_LE(test::rel_err(std::vector<float>(kr.end() - int64_t(row), kr.end()), std::vector<float>(want_k, want_k + row)),
+                  1e-5) << "sequence " << b;
+        EXPECT_EQ(std::vector<float>(vr.end() - int64_t(row), vr.end()),
+                  std::vector<float>(v.begin() + b * row, v.begin() + (b + 1) * row)) << "sequence " << b;
+      }
+      for (size_t i = 0; i < std::size(splits); ++i) {
+        const cuda::AttentionSplit split = splits[i];
+        DeviceBuffer<float> scratch(cuda::attention_scratch_floats(B, cs.nq, cs.hd, split));
+        dout.poison();
+        cuda::launch_decode_attention(dq.get(), B, cs.nq, cs.nkv, cs.hd, 1.0f / std::sqrt(float(cs.hd)), dpos.get(),
+                                      kvl, split, scratch.get(), dout.get(), nullptr);
+        const auto got = dout.download();
+        EXPECT_LE(test::rel_err(got, ref), 1e-5)
+            << "hd " << cs.hd << ", " << split.splits << " splits" << (shuffled ? ", shuffled tables" : "");
+        if (!shuffled) identity_out.push_back(got);
+        else EXPECT_EQ(got, identity_out[i]) << "hd " << cs.hd << ", " << split.splits << " splits";
+      }
     }
   }
+}
+
+// A prefill step: the batch rows are consecutive positions of one sequence (table row 0 for
+// every row); each row attends to the positions up to its own, including the rows stored in the
+// same step.
+TEST(CudaOps, QkRopeAttentionOfOneSequenceMatchCpu) {
+  std::mt19937 rng(19);
+  const int nq = 4, nkv = 2, hd = 64, cap = 50, start = 30, T = 8;
+  const size_t row = size_t(nkv) * hd;
+  RopeConfig rc;
+  rc.theta = 10000.0;
+  rc.rotary_dim = hd;
+  cpu::RopeTables tables(rc);
+  const auto q = test::random_floats(size_t(T) * nq * hd, rng);
+  const auto k = test::random_floats(size_t(T) * row, rng), v = test::random_floats(size_t(T) * row, rng);
+  const auto hk = test::random_floats(size_t(start) * row, rng), hv = test::random_floats(size_t(start) * row, rng);
+  KvCache c(1, nkv, hd, cap);
+  c.reserve(start + T);
+  std::vector<float> qr(q);
+  for (int p = 0; p < start + T; ++p) {
+    if (p < start) {
+      std::copy_n(hk.data() + size_t(p) * row, row, c.k(0, p));
+      std::copy_n(hv.data() + size_t(p) * row, row, c.v(0, p));
+      continue;
+    }
+    const int t = p - start;
+    std::copy_n(k.data() + size_t(t) * row, row, c.k(0, p));
+    cpu::apply_rope(c.k(0, p), nkv, hd, p, tables);
+    std::copy_n(v.data() + size_t(t) * row, row, c.v(0, p));
+    cpu::apply_rope(qr.data() + size_t(t) * nq * hd, nq, hd, p, tables);
+  }
+  c.commit(start);
+  std::vector<float> ref(q.size());
+  ThreadPool pool(1);
+  cpu::attention(qr.data(), T, start, nq, nkv, hd, 0.125f, c, 0, ref.data(), pool);
+
+  test::PagedKv kv(1, cap, int(row), true, rng);
+  for (int p = 0; p < start; ++p) {
+    std::copy_n(hk.data() + size_t(p) * row, row, kv.k(0, p));
+    std::copy_n(hv.data() + size_t(p) * row, row, kv.v(0, p));
+  }
+  kv.upload();
+  std::vector<int32_t> pos(T);
+  std::iota(pos.begin(), pos.end(), start);
+  DeviceBuffer<float> dq(q), dk(k), dv(v), dout(q.size()), dinv(tables.inv_freq);
+  DeviceBuffer<int32_t> dpos(pos);
+  const cuda::AttentionSplit split = cuda::attention_split(cap);
+  DeviceBuffer<float> scratch(cuda::attention_scratch_floats(T, nq, hd, split));
+  cuda::RopeArgs ra{dinv.get(), 1.0f, hd, 0};
+  dout.poison();
+  cuda::launch_qk_rope_store(dq.get(), dk.get(), dv.get(), T, nq, nkv, hd, nullptr, nullptr, 1e-6f, ra, dpos.get(),
+                             kv.layer(true), nullptr);
+  cuda::launch_decode_attention(dq.get(), T, nq, nkv, hd, 0.125f, dpos.get(), kv.layer(true), split, scratch.get(),
+                                dout.get(), nullptr);
+  EXPECT_LE(test::rel_err(dout.download(), ref), 1e-5);
 }
 
 TEST(CudaOps, EmbedAndArgmax) {
@@ -471,39 +569,76 @@ TEST(CudaOps, TopkSelectMatchesCpu) {
   }
 }
 
-// DSA index scores at GLM-5's indexer shape (32 heads of 128) against the CPU formula.
+// The DSA indexer at GLM-5's shape (32 heads of 128): the key store (LayerNorm + rotary into the
+// paged index cache) and the scores of every cached position against the CPU formula, with the
+// identity block tables and shuffled ones (the same bits).
 TEST(CudaOps, IndexScoresMatchCpu) {
   std::mt19937 rng(31);
   cuda::IndexerShape x{32, 128, 64, 2048};
   const int ctx = 300;
   const std::vector<int32_t> pos = {299, 5};
   const int B = int(pos.size());
-  const auto keys = test::random_floats(size_t(B) * ctx * x.dim, rng);
+  RopeConfig rc;
+  rc.theta = 10000.0;
+  rc.rotary_dim = x.rope;
+  cpu::RopeTables tables(rc);
+  const auto keys = test::random_floats(size_t(B) * ctx * x.dim, rng);  // cached keys, positions < pos[b]
   const auto q = test::random_floats(size_t(B) * x.heads * x.dim, rng);
   const auto w = test::random_floats(size_t(B) * x.heads, rng);
-  DeviceBuffer<float> dk(keys), dq(q), dw(w), ds(static_cast<size_t>(B) * ctx);
-  DeviceBuffer<int32_t> dp(pos);
-  ds.poison();
-  cuda::KvLayer cache{dk.get(), dk.get(), int64_t(ctx) * x.dim};
-  cuda::launch_index_scores(dq.get(), dw.get(), B, x, dp.get(), cache, ctx, ds.get(), nullptr);
-  const auto got = ds.download();
+  const auto ik = test::random_floats(size_t(B) * x.dim, rng);
+  const auto norm_w = test::random_floats(size_t(x.dim), rng), norm_b = test::random_floats(size_t(x.dim), rng, 0.1f);
+  // The CPU: rotated queries, the new key of each row at pos[b].
+  std::vector<float> qr(q), new_key(ik.size());
   for (int b = 0; b < B; ++b) {
-    std::vector<float> want, have;
+    cpu::apply_rope(qr.data() + size_t(b) * x.heads * x.dim, x.heads, x.dim, pos[size_t(b)], tables);
+    float* nk = new_key.data() + size_t(b) * x.dim;
+    cpu::layer_norm(ik.data() + size_t(b) * x.dim, norm_w.data(), norm_b.data(), 1, x.dim, 1e-6f, nk);
+    cpu::apply_rope(nk, 1, x.dim, pos[size_t(b)], tables);
+  }
+  std::vector<std::vector<float>> want(B);
+  for (int b = 0; b < B; ++b)
     for (int j = 0; j <= pos[size_t(b)]; ++j) {
+      const float* key = j == pos[size_t(b)] ? new_key.data() + size_t(b) * x.dim : keys.data() + (size_t(b) * ctx + j) * x.dim;
       double s = 0;
       for (int h = 0; h < x.heads; ++h) {
-        const float d = cpu::dot(q.data() + (size_t(b) * x.heads + h) * x.dim, keys.data() + (size_t(b) * ctx + j) * x.dim, x.dim);
+        const float d = cpu::dot(qr.data() + (size_t(b) * x.heads + h) * x.dim, key, x.dim);
         s += double(w[size_t(b) * x.heads + h]) / std::sqrt(double(x.heads)) * std::max(0.0, d / std::sqrt(double(x.dim)));
       }
-      want.push_back(float(s));
-      have.push_back(got[size_t(b) * ctx + j]);
+      want[size_t(b)].push_back(float(s));
     }
-    EXPECT_LT(test::rel_l2(have.data(), want.data(), int64_t(want.size())), kTol) << "row " << b;
+  std::vector<float> identity_scores;
+  for (bool shuffled : {false, true}) {
+    SCOPED_TRACE(shuffled ? "shuffled tables" : "identity tables");
+    test::PagedKv cache(B, ctx, x.dim, shuffled, rng);
+    for (int b = 0; b < B; ++b)
+      for (int j = 0; j < pos[size_t(b)]; ++j) std::copy_n(keys.data() + (size_t(b) * ctx + j) * x.dim, x.dim, cache.k(b, j));
+    cache.upload();
+    DeviceBuffer<float> dq(q), dw(w), dik(ik), dnw(norm_w), dnb(norm_b), dinv(tables.inv_freq),
+        ds(static_cast<size_t>(B) * ctx);
+    DeviceBuffer<int32_t> dp(pos);
+    ds.poison();
+    cuda::RopeArgs ra{dinv.get(), 1.0f, x.rope, 0};
+    cuda::launch_index_prep(dq.get(), dik.get(), B, x, dnw.get(), dnb.get(), ra, dp.get(), cache.layer(), nullptr);
+    cuda::launch_index_scores(dq.get(), dw.get(), B, x, dp.get(), cache.layer(), ctx, ds.get(), nullptr);
+    const auto got = ds.download();
+    for (int b = 0; b < B; ++b) {
+      const auto stored = cache.k_rows(b, pos[size_t(b)] + 1);
+      EXPECT_LT(test::rel_l2(stored.data() + size_t(pos[size_t(b)]) * x.dim, new_key.data() + size_t(b) * x.dim, x.dim),
+                kTol)
+          << "the key of row " << b;
+      EXPECT_LT(test::rel_l2(got.data() + size_t(b) * ctx, want[size_t(b)].data(), int64_t(want[size_t(b)].size())), kTol)
+          << "row " << b;
+    }
+    std::vector<float> live;  // the scores the kernel writes
+    for (int b = 0; b < B; ++b) live.insert(live.end(), got.begin() + b * ctx, got.begin() + b * ctx + pos[size_t(b)] + 1);
+    if (!shuffled) identity_scores = live;
+    else EXPECT_EQ(live, identity_scores);
   }
 }
 
 // Absorbed MLA decode (latent store, query absorption, attention over the latent rows, value
-// absorption) against the CPU's expanded form, dense and with a position selection.
+// absorption) against the CPU's expanded form, dense and with a position selection, in a paged
+// cache.
 TEST(CudaOps, MlaAttentionMatchesCpu) {
   std::mt19937 rng(29);
   ModelConfig c;
@@ -527,41 +662,37 @@ TEST(CudaOps, MlaAttentionMatchesCpu) {
   cuda::MlaShape ms{heads, int(m.qk_nope_head_dim), int(m.qk_rope_head_dim), int(m.v_head_dim), int(m.kv_lora_rank)};
 
   // Nine sequences (more than the 8 batch rows one absorption block serves), each with its own
-  // cache filled by the kernels, at positions 21..37.
+  // blocks of a paged cache filled by the kernels, at positions 21..37; the identity block tables
+  // and shuffled ones (the same bits).
   std::vector<int32_t> pos;
   for (int b = 0; b < 9; ++b) pos.push_back(21 + 2 * b);
   const int B = int(pos.size());
-  DeviceBuffer<float> cache(size_t(B) * ctx * lat);
-  cuda::KvLayer kvl{cache.get(), cache.get(), int64_t(ctx) * lat};
+  std::vector<std::vector<float>> kv_in;  // the kv_a outputs stored at step p
   std::vector<std::vector<float>> host_lat(B, std::vector<float>(size_t(ctx) * lat));
   cpu::RopeTables tables(c.rope);
   for (int p = 0; p <= 37; ++p) {
-    auto kv = test::random_floats(size_t(B) * lat, rng);
-    std::vector<int32_t> at;
-    for (int32_t q : pos) at.push_back(std::min<int32_t>(p, q));
-    DeviceBuffer<float> dkv(kv);
-    DeviceBuffer<int32_t> dat(at);
-    cuda::launch_mla_latent_store(dkv.get(), B, ms, d_norm.get(), 1e-6f, rope, dat.get(), kvl, nullptr);
+    kv_in.push_back(test::random_floats(size_t(B) * lat, rng));
     for (int b = 0; b < B; ++b) {
-      float* row = host_lat[size_t(b)].data() + size_t(at[size_t(b)]) * lat;
-      std::copy_n(kv.data() + size_t(b) * lat, lat, row);
+      const int at = std::min<int32_t>(p, pos[size_t(b)]);
+      float* row = host_lat[size_t(b)].data() + size_t(at) * lat;
+      std::copy_n(kv_in.back().data() + size_t(b) * lat, lat, row);
       cpu::rms_norm(row, norm.data(), 1, m.kv_lora_rank, 1e-6f, row);
-      cpu::apply_rope(row + m.kv_lora_rank, 1, m.qk_rope_head_dim, at[size_t(b)], tables);
+      cpu::apply_rope(row + m.kv_lora_rank, 1, m.qk_rope_head_dim, at, tables);
     }
   }
-  const auto dev_cache = cache.download();
-  for (int b = 0; b < B; ++b)
-    EXPECT_LT(test::rel_l2(dev_cache.data() + size_t(b) * ctx * lat, host_lat[size_t(b)].data(), (pos[size_t(b)] + 1) * lat),
-              kTol);
 
   // Queries and the expected output: keys and values expanded from the latents, softmax attention.
   const auto q = test::random_floats(size_t(B) * heads * qk, rng);
+  std::vector<std::vector<int32_t>> chosen[2];  // dense, sparse
+  std::vector<float> want[2];
   for (bool sparse : {false, true}) {
-    std::vector<std::vector<int32_t>> chosen(B);
+    std::vector<std::vector<int32_t>>& ch = chosen[sparse];
+    ch.resize(size_t(B));
     for (int b = 0; b < B; ++b)
       for (int j = 0; j <= pos[size_t(b)]; ++j)
-        if (!sparse || j % 3 != 1) chosen[size_t(b)].push_back(j);
-    std::vector<float> want(size_t(B) * heads * m.v_head_dim);
+        if (!sparse || j % 3 != 1) ch[size_t(b)].push_back(j);
+    std::vector<float>& wt = want[sparse];
+    wt.assign(size_t(B) * heads * m.v_head_dim, 0.0f);
     for (int b = 0; b < B; ++b) {
       const int len = pos[size_t(b)] + 1;
       std::vector<float> lat_rows(size_t(len) * m.kv_lora_rank), kvb(size_t(len) * kv_b.host.out);
@@ -573,7 +704,7 @@ TEST(CudaOps, MlaAttentionMatchesCpu) {
         std::vector<float> qh(q.begin() + (size_t(b) * heads + h) * qk, q.begin() + (size_t(b) * heads + h + 1) * qk);
         cpu::apply_rope(qh.data() + m.qk_nope_head_dim, 1, m.qk_rope_head_dim, pos[size_t(b)], tables);
         std::vector<float> p;
-        for (int j : chosen[size_t(b)]) {
+        for (int j : ch[size_t(b)]) {
           const float* kn = kvb.data() + size_t(j) * kv_b.host.out + size_t(h) * (m.qk_nope_head_dim + m.v_head_dim);
           p.push_back((cpu::dot(qh.data(), kn, m.qk_nope_head_dim) +
                        cpu::dot(qh.data() + m.qk_nope_head_dim,
@@ -581,34 +712,58 @@ TEST(CudaOps, MlaAttentionMatchesCpu) {
                       m.softmax_scale);
         }
         cpu::softmax(p.data(), int64_t(p.size()));
-        float* o = want.data() + (size_t(b) * heads + h) * m.v_head_dim;
+        float* o = wt.data() + (size_t(b) * heads + h) * m.v_head_dim;
         for (size_t i = 0; i < p.size(); ++i) {
-          const float* v = kvb.data() + size_t(chosen[size_t(b)][i]) * kv_b.host.out +
+          const float* v = kvb.data() + size_t(ch[size_t(b)][i]) * kv_b.host.out +
                            size_t(h) * (m.qk_nope_head_dim + m.v_head_dim) + m.qk_nope_head_dim;
           for (int e = 0; e < m.v_head_dim; ++e) o[e] += p[i] * v[e];
         }
       }
     }
-    DeviceBuffer<float> dq(q), dqa(size_t(B) * heads * lat), datt(size_t(B) * heads * m.kv_lora_rank),
-        dout(size_t(B) * heads * m.v_head_dim);
-    DeviceBuffer<int32_t> dpos(pos);
-    const cuda::AttentionSplit split = cuda::attention_split(ctx);
-    DeviceBuffer<float> scratch(cuda::attention_scratch_floats(B, heads, int(m.kv_lora_rank), split));
-    std::vector<int32_t> sel(size_t(B) * ctx, 0), cnt(B);
-    for (int b = 0; b < B; ++b) {
-      std::copy(chosen[size_t(b)].begin(), chosen[size_t(b)].end(), sel.begin() + size_t(b) * ctx);
-      cnt[size_t(b)] = int32_t(chosen[size_t(b)].size());
+  }
+
+  std::vector<float> identity_out[2];
+  for (bool shuffled : {false, true}) {
+    SCOPED_TRACE(shuffled ? "shuffled tables" : "identity tables");
+    test::PagedKv cache(B, ctx, lat, shuffled, rng);
+    const cuda::KvLayer kvl = cache.layer();
+    for (int p = 0; p <= 37; ++p) {
+      std::vector<int32_t> at;
+      for (int32_t pb : pos) at.push_back(std::min<int32_t>(p, pb));
+      DeviceBuffer<float> dkv(kv_in[size_t(p)]);
+      DeviceBuffer<int32_t> dat(at);
+      cuda::launch_mla_latent_store(dkv.get(), B, ms, d_norm.get(), 1e-6f, rope, dat.get(), kvl, nullptr);
     }
-    DeviceBuffer<int32_t> dsel(sel), dcnt(cnt);
-    cuda::AttentionSelect select;
-    if (sparse) select = {dsel.get(), dcnt.get(), ctx};
-    dout.poison();
-    cuda::launch_mla_query(dq.get(), B, ms, kv_b.dev, rope, dpos.get(), dqa.get(), nullptr);
-    cuda::launch_mla_attention(dqa.get(), B, ms, m.softmax_scale, dpos.get(), kvl, split, select, scratch.get(),
-                               datt.get(), nullptr);
-    cuda::launch_mla_output(datt.get(), B, ms, kv_b.dev, dout.get(), nullptr);
-    const auto got = dout.download();
-    EXPECT_LT(test::rel_l2(got.data(), want.data(), int64_t(want.size())), 1e-4) << (sparse ? "sparse" : "dense");
+    for (int b = 0; b < B; ++b) {
+      const int n = pos[size_t(b)] + 1;
+      EXPECT_LT(test::rel_l2(cache.k_rows(b, n).data(), host_lat[size_t(b)].data(), int64_t(n) * lat), kTol)
+          << "the latent rows of sequence " << b;
+    }
+    for (bool sparse : {false, true}) {
+      DeviceBuffer<float> dq(q), dqa(size_t(B) * heads * lat), datt(size_t(B) * heads * m.kv_lora_rank),
+          dout(size_t(B) * heads * m.v_head_dim);
+      DeviceBuffer<int32_t> dpos(pos);
+      const cuda::AttentionSplit split = cuda::attention_split(ctx);
+      DeviceBuffer<float> scratch(cuda::attention_scratch_floats(B, heads, int(m.kv_lora_rank), split));
+      std::vector<int32_t> sel(size_t(B) * ctx, 0), cnt(B);
+      for (int b = 0; b < B; ++b) {
+        std::copy(chosen[sparse][size_t(b)].begin(), chosen[sparse][size_t(b)].end(), sel.begin() + size_t(b) * ctx);
+        cnt[size_t(b)] = int32_t(chosen[sparse][size_t(b)].size());
+      }
+      DeviceBuffer<int32_t> dsel(sel), dcnt(cnt);
+      cuda::AttentionSelect select;
+      if (sparse) select = {dsel.get(), dcnt.get(), ctx};
+      dout.poison();
+      cuda::launch_mla_query(dq.get(), B, ms, kv_b.dev, rope, dpos.get(), dqa.get(), nullptr);
+      cuda::launch_mla_attention(dqa.get(), B, ms, m.softmax_scale, dpos.get(), kvl, split, select, scratch.get(),
+                                 datt.get(), nullptr);
+      cuda::launch_mla_output(datt.get(), B, ms, kv_b.dev, dout.get(), nullptr);
+      const auto got = dout.download();
+      EXPECT_LT(test::rel_l2(got.data(), want[sparse].data(), int64_t(want[sparse].size())), 1e-4)
+          << (sparse ? "sparse" : "dense");
+      if (!shuffled) identity_out[sparse] = got;
+      else EXPECT_EQ(got, identity_out[sparse]) << (sparse ? "sparse" : "dense");
+    }
   }
 }
 

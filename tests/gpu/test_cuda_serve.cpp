@@ -1,7 +1,8 @@
 // The server's engine on the GPU: requests decoding side by side in one batched step per token
-// and prefilling 8 prompt tokens per step in their own slots
-// (backend/cuda/gpu_slots.h), unsplit and split over every GPU, give the tokens the CPU engine
-// gives each of them.
+// and prefilling up to 64 prompt tokens per step in their own KV blocks (backend/cuda/gpu_slots.h),
+// unsplit and split over every GPU, give the tokens the CPU engine gives each of them: with a
+// pool of a whole context per sequence, with a pool so small that requests wait for blocks and
+// take the ones others gave back, and sixteen sequences at once.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -23,12 +24,13 @@ std::vector<int32_t> drain(RequestStream& s, Finish* finish) {
   return out;
 }
 
-std::vector<GenerationRequest> requests() {
+// `count` requests of 3 to 47 prompt tokens and 6 to 15 new ones (at most 63 positions).
+std::vector<GenerationRequest> requests(int count) {
   std::vector<GenerationRequest> rs;
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < count; ++i) {
     GenerationRequest r;
-    for (int t = 0; t < 3 + 5 * i; ++t) r.prompt.push_back(int32_t((17 * i + 5 * t + 1) % 256));
-    r.max_tokens = 6 + i;
+    for (int t = 0; t < 3 + (5 * i) % 45; ++t) r.prompt.push_back(int32_t((17 * i + 5 * t + 1) % 256));
+    r.max_tokens = 6 + i % 10;
     r.ignore_eos = true;
     if (i % 2) {  // seeded sampling on the host, from the GPU's logits
       r.sampling.temperature = 0.8f;
@@ -39,9 +41,9 @@ std::vector<GenerationRequest> requests() {
   return rs;
 }
 
-std::vector<std::vector<int32_t>> serve(Engine& e) {
+std::vector<std::vector<int32_t>> serve(Engine& e, int count) {
   std::vector<std::shared_ptr<RequestStream>> streams;
-  for (const auto& r : requests()) streams.push_back(e.submit(r));
+  for (const auto& r : requests(count)) streams.push_back(e.submit(r));
   std::vector<std::vector<int32_t>> out;
   for (auto& s : streams) {
     Finish f = Finish::None;
@@ -51,29 +53,83 @@ std::vector<std::vector<int32_t>> serve(Engine& e) {
   return out;
 }
 
-TEST(CudaServe, BatchedGpuStepsGiveTheCpuEnginesTokens) {
+// The engine on GpuSlots with a pool of kv_positions (0: sized by GpuSlots), admitting what the
+// pool holds, as kestrel serve sets it up.
+std::unique_ptr<Engine> gpu_engine(const Model& model, EngineOptions o, const cuda::GpuModel& gpus, int64_t kv_positions) {
+  auto slots = std::make_unique<cuda::GpuSlots>(gpus, o.max_batch, int(o.context), kv_positions);
+  o.kv_tokens = slots->kv_positions();
+  return std::make_unique<Engine>(model, o, std::move(slots));
+}
+
+// Each fixture and layout: the CPU engine's tokens for `count` requests, then the GPU's.
+void expect_cpu_tokens(const EngineOptions& o, int count, int64_t kv_positions, int64_t want_capacity) {
   int gpus = 0;
   ASSERT_EQ(cudaGetDeviceCount(&gpus), cudaSuccess);
   for (const std::string name : {"qwen3moe-nvfp4", "glm5-nvfp4"}) {
     SCOPED_TRACE(name);
     auto model = load_model(test::fixture_dir(name));
-    EngineOptions o;
-    o.max_batch = 4;  // 6 requests: two wait for a slot
-    o.context = 64;
-    o.threads = 2;
     std::vector<std::vector<int32_t>> want;
     {
       Engine cpu(*model, o);
-      want = serve(cpu);
+      want = serve(cpu, count);
     }
     for (const Layout& layout : {Layout{1, 1}, Layout{std::min(gpus, 4), 1}}) {
       SCOPED_TRACE(layout.str());
       cuda::GpuModel on_gpus(*model, layout);
-      Engine gpu(*model, o, std::make_unique<cuda::GpuSlots>(on_gpus, o.max_batch, int(o.context)));
-      EXPECT_EQ(serve(gpu), want);
-      gpu.shutdown(1.0);
+      auto gpu = gpu_engine(*model, o, on_gpus, kv_positions);
+      EXPECT_EQ(gpu->stats().kv_capacity, want_capacity);
+      EXPECT_NE(gpu->describe().find(std::to_string(want_capacity) + " KV positions"), std::string::npos)
+          << gpu->describe();
+      EXPECT_EQ(serve(*gpu, count), want);
+      gpu->shutdown(1.0);
     }
   }
+}
+
+TEST(CudaServe, BatchedGpuStepsGiveTheCpuEnginesTokens) {
+  EngineOptions o;
+  o.max_batch = 4;  // 6 requests: two wait for a slot
+  o.context = 64;
+  o.threads = 2;
+  expect_cpu_tokens(o, 6, 0, 4 * 64);  // by default a whole context per sequence
+}
+
+// 5 blocks of 16 positions for 10 requests of 1 to 4 blocks each: requests wait for blocks
+// (not slots) and reuse the ones others gave back, in another order.
+TEST(CudaServe, RequestsWaitForKvBlocksAndReuseThem) {
+  EngineOptions o;
+  o.max_batch = 4;
+  o.context = 64;
+  o.threads = 2;
+  o.kv_tokens = 80;
+  expect_cpu_tokens(o, 10, o.kv_tokens, 80);
+}
+
+TEST(CudaServe, SixteenSequencesAtOnce) {
+  EngineOptions o;
+  o.max_batch = 16;  // 20 requests: four wait for a slot
+  o.context = 64;
+  o.threads = 2;
+  expect_cpu_tokens(o, 20, 0, 16 * 64);
+}
+
+// GpuSlots refuses what it cannot run, naming the numbers.
+TEST(CudaServe, SlotsAndPoolLimitsAreNamed) {
+  auto model = load_model(test::fixture_dir("qwen3moe-nvfp4"));
+  cuda::GpuModel on_gpu(*model, Layout{1, 1});
+  EXPECT_THROW(cuda::GpuSlots(on_gpu, cuda::GpuSlots::kMaxSlots + 1, 64, 0), Error);
+  cuda::GpuSlots slots(on_gpu, 2, 64, 40);  // two blocks
+  EXPECT_EQ(slots.kv_positions(), 32);
+  EXPECT_EQ(slots.open(20), 0);
+  try {
+    slots.open(20);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("0 of its 2 blocks"), std::string::npos) << e.what();
+  }
+  slots.close(0);
+  EXPECT_EQ(slots.open(32), 0);
+  EXPECT_THROW(slots.open(65), Error);  // longer than the context
 }
 
 }  // namespace

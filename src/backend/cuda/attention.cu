@@ -2,6 +2,7 @@
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/check.h"
+#include "backend/cuda/kv_paged.cuh"
 #include "backend/cuda/launch.cuh"
 
 namespace kestrel::cuda {
@@ -13,7 +14,9 @@ constexpr int kUnroll = 4;  // positions whose keys are loaded before the first 
 
 // Split-K decode attention (flash-decoding): block (head, sequence, split) covers positions
 // [split * chunk, (split + 1) * chunk) of that sequence; each warp keeps an online softmax over
-// its share and the block writes one partial (max, sum, weighted values) per split.
+// its share and the block writes one partial (max, sum, weighted values) per split. A warp takes
+// kUnroll consecutive positions at a time, 16 apart between warps; with chunks of whole blocks
+// (attention_split) they lie in one block of the paged cache, so one table entry serves them.
 template <int kPer>
 __global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const float* __restrict__ q, int nq, int nkv,
                                                                        int hd, float scale, int chunk,
@@ -34,20 +37,25 @@ __global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const fl
     acc[i] = 0.0f;
   }
   float m = -FLT_MAX, l = 0.0f;
-  const size_t stride = size_t(nkv) * hd;
-  const float* kbase = cache.k + size_t(b) * cache.seq_stride + size_t(kvh) * hd;
-  const float* vbase = cache.v + size_t(b) * cache.seq_stride + size_t(kvh) * hd;
+  const float* kbase = cache.k + size_t(kvh) * hd;
+  const float* vbase = cache.v + size_t(kvh) * hd;
   for (int p0 = begin + warp * kUnroll; p0 < end; p0 += kWarps * kUnroll) {
     float kr[kUnroll][kPer], vr[kUnroll][kPer];
+    const size_t first = kv_offset(cache, b, p0);
     #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int p = p0 + u;
+      // Positions past the first one's block (only with chunks that are not whole blocks) look
+      // up their own; positions past the end are not read.
+      const size_t at = (p0 & (kKvBlock - 1)) + u < kKvBlock ? first + size_t(u) * cache.row
+                        : p < end                             ? kv_offset(cache, b, p)
+                                                              : 0;
       #pragma unroll
       for (int i = 0; i < kPer; ++i) {
         const int d = lane + 32 * i;
         const bool ok = p < end && d < hd;
-        kr[u][i] = ok ? kbase[p * stride + d] : 0.0f;
-        vr[u][i] = ok ? vbase[p * stride + d] : 0.0f;
+        kr[u][i] = ok ? kbase[at + d] : 0.0f;
+        vr[u][i] = ok ? vbase[at + d] : 0.0f;
       }
     }
     #pragma unroll
@@ -132,8 +140,10 @@ __global__ void __launch_bounds__(kCombineDims) attention_combine_kernel(const f
 
 AttentionSplit attention_split(int max_context) {
   AttentionSplit s;
-  s.splits = std::min(64, std::max(1, (max_context + 63) / 64));
-  s.chunk = (max_context + s.splits - 1) / s.splits;
+  const int splits = std::min(kMaxSplits, std::max(1, (max_context + 63) / 64));
+  // Chunks of whole blocks of the paged cache (kv_layer.h): a warp's positions share a table entry.
+  s.chunk = ((max_context + splits - 1) / splits + kKvBlock - 1) / kKvBlock * kKvBlock;
+  s.splits = std::max(1, (max_context + s.chunk - 1) / s.chunk);
   return s;
 }
 
@@ -141,6 +151,8 @@ void launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd,
                              const int32_t* positions, KvLayer cache, const AttentionSplit& split, float* scratch,
                              float* out, cudaStream_t s) {
   if (hd > kMaxHd) fail("CUDA decode attention supports head_dim up to ", kMaxHd, ", got ", hd);
+  if (!cache.table || cache.row != nkv * hd)
+    fail("internal: a KV cache of rows of ", cache.row, " floats for ", nkv, " heads of ", hd);
   const dim3 grid(unsigned(nq), unsigned(batch), unsigned(split.splits));
   if (hd <= 32)
     launch(attention_partial_kernel<1>, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions,

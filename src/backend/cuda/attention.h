@@ -10,7 +10,8 @@
 namespace kestrel::cuda {
 
 // How the positions are cut: `splits` blocks per (head, sequence), `chunk` positions each.
-// Fixed for a given capacity so that one captured graph serves every length up to it.
+// Fixed for a given capacity so that one captured graph serves every length up to it;
+// attention_split makes chunks of whole blocks of the paged cache (any chunk works).
 struct AttentionSplit {
   int splits = 1, chunk = 1;
 };
@@ -21,11 +22,12 @@ inline size_t attention_scratch_floats(int batch, int nq, int hd, const Attentio
   return size_t(batch) * size_t(nq) * size_t(s.splits) * size_t(hd + 2);
 }
 
-// q: [B, nq, hd]; sequence b attends to positions 0..positions[b]. out: [B, nq, hd].
 // Partials [B][nq][splits][hd + 2] (weighted values, then max and sum of each split) -> out [B, nq, hd].
 void launch_attention_combine(const float* part, int batch, int nq, int hd, const AttentionSplit& split, float* out,
                               cudaStream_t s);
 
+// q: [B, nq, hd]; row b attends to positions 0..positions[b] of its sequence in the cache (rows
+// of nkv * hd). out: [B, nq, hd].
 void launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, float scale,
                              const int32_t* positions, KvLayer cache, const AttentionSplit& split, float* scratch,
                              float* out, cudaStream_t s);

@@ -44,19 +44,88 @@ T* Decoder::buffer(size_t n) {
   return static_cast<T*>(p);
 }
 
+size_t Decoder::kv_block_bytes(const DeviceModel& model) {
+  const ModelConfig& c = model.config();
+  size_t row = 0;  // floats per position, all layers
+  if (c.is_mla()) {
+    row = size_t(c.num_layers) * size_t(c.mla.latent());
+    for (const DLayer& L : model.layers())
+      if (L.mla.has_indexer) row += size_t(c.indexer.head_dim);
+  } else {
+    row = size_t(c.num_layers) * 2 * size_t(c.num_kv_heads * c.head_dim);
+  }
+  return size_t(kKvBlock) * row * sizeof(float);
+}
+
+void Decoder::allocate_kv_pool() {
+  const ModelConfig& c = m_.config();
+  const size_t rows = size_t(kv_blocks_) * kKvBlock * size_t(c.num_layers);  // of every layer
+  const size_t bytes = size_t(kv_blocks_) * kv_block_bytes(m_);
+  auto pool = [&](size_t floats) {
+    void* p = nullptr;
+    if (cudaMalloc(&p, std::max<size_t>(floats, 1) * sizeof(float)) != cudaSuccess) {
+      cudaGetLastError();  // not sticky: clear it
+      fail("out of GPU memory for a KV cache of ", kv_blocks_, " blocks of ", kKvBlock, " positions (",
+           bytes >> 20, " MiB)");
+    }
+    buffers_.push_back(p);
+    KESTREL_CUDA_CHECK(cudaMemset(p, 0, floats * sizeof(float)));
+    return static_cast<float*>(p);
+  };
+  if (c.is_mla()) {
+    kv_k_ = kv_v_ = pool(rows * size_t(c.mla.latent()));  // v reads the same rows
+    int n = 0;
+    for (const DLayer& L : m_.layers()) index_slot_.push_back(L.mla.has_indexer ? n++ : -1);
+    if (n > 0) index_pool_ = pool(size_t(kv_blocks_) * kKvBlock * size_t(n) * size_t(c.indexer.head_dim));
+  } else {
+    kv_k_ = pool(rows * size_t(c.num_kv_heads * c.head_dim));
+    kv_v_ = pool(rows * size_t(c.num_kv_heads * c.head_dim));
+  }
+}
+
 Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool one_sequence, const RankLink* link,
-                 const Decoder* kv_of, int kv_slot)
+                 KvSource kv)
     : m_(model), max_batch_(max_batch), max_context_(max_context), one_sequence_(one_sequence), link_(link) {
-  if (kv_of && (!one_sequence || &kv_of->m_ != &model || kv_of->max_context_ != max_context || kv_of->one_sequence_ ||
-                kv_slot < 0 || kv_slot >= kv_of->max_batch_))
-    fail("internal: a decoder borrowing a KV cache must be one sequence's, of the same model and context, slot in range");
+  const Decoder* from = kv.borrow;
+  if (from && (!one_sequence || &from->m_ != &model || from->max_context_ != max_context || from->one_sequence_ ||
+               kv.blocks != 0))
+    fail("internal: a decoder borrowing a KV pool must be one sequence's, of the same model and context");
+  if (max_batch < 1 || max_context < 1) fail("internal: a decoder of batch ", max_batch, " and context ", max_context);
+  // A constructor that fails (a KV pool larger than the free memory) frees what it took.
+  struct FreeOnFailure {
+    std::vector<void*>& buffers;
+    bool done = false;
+    ~FreeOnFailure() {
+      if (!done)
+        for (void* p : buffers) cudaFree(p);
+    }
+  } guard{buffers_};
   const ModelConfig& c = m_.config();
   const size_t B = size_t(max_batch), H = size_t(c.hidden_size), hd = size_t(c.head_dim);
   const size_t nq = size_t(c.num_heads), nkv = size_t(c.num_kv_heads);
   x_ = buffer<float>(B * H);
   xn_ = buffer<float>(B * H);
   split_ = attention_split(max_context);
-  const size_t seqs = one_sequence ? 1 : B, ctx = size_t(max_context), layers = size_t(c.num_layers);
+  const size_t seqs = one_sequence ? 1 : B, ctx = size_t(max_context);
+  table_stride_ = int(KvBlockPool::blocks_for(max_context));
+  if (from) {
+    kv_k_ = from->kv_k_;
+    kv_v_ = from->kv_v_;
+    index_pool_ = from->index_pool_;
+    index_slot_ = from->index_slot_;
+    kv_blocks_ = from->kv_blocks_;
+  } else {
+    kv_blocks_ = kv.blocks > 0 ? kv.blocks : int64_t(seqs) * table_stride_;
+    if (kv_blocks_ >= INT32_MAX) fail("a KV cache of ", kv_blocks_, " blocks: block ids are 32-bit");
+    allocate_kv_pool();
+  }
+  {
+    // Identity tables (wrapped into the pool when it is smaller: every entry a valid block).
+    std::vector<int32_t> ids(seqs * size_t(table_stride_));
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(int64_t(i) % kv_blocks_);
+    table_ = buffer<int32_t>(ids.size());
+    KESTREL_CUDA_CHECK(cudaMemcpy(table_, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+  }
   if (c.is_mla()) {
     const MlaConfig& m = c.mla;
     const size_t lat = size_t(m.latent());
@@ -67,17 +136,12 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
     mla_.att = buffer<float>(B * nq * size_t(m.kv_lora_rank));
     mla_.v = buffer<float>(B * nq * size_t(m.v_head_dim));
     att_scratch_ = buffer<float>(attention_scratch_floats(max_batch, int(nq), int(m.kv_lora_rank), split_));
-    const size_t per_seq = layers * ctx * lat;
-    kv_k_ = kv_of ? kv_of->kv_k_ + kv_slot * per_seq : buffer<float>(seqs * per_seq);  // the latent rows
-    kv_v_ = kv_k_;  // v reads the same rows
     if (c.indexer.enabled()) {
       const IndexerConfig& ix = c.indexer;
       mla_.iq = buffer<float>(B * size_t(ix.heads * ix.head_dim));
       mla_.ik = buffer<float>(B * size_t(ix.head_dim));
       mla_.iw = buffer<float>(B * size_t(ix.heads));
       mla_.scores = buffer<float>(B * ctx);
-      const size_t index_per_seq = layers * ctx * size_t(ix.head_dim);
-      mla_.index_cache = kv_of ? kv_of->mla_.index_cache + kv_slot * index_per_seq : buffer<float>(seqs * index_per_seq);
       mla_.select = buffer<int32_t>(B * size_t(ix.topk));
       mla_.select_count = buffer<int32_t>(B);
     }
@@ -87,9 +151,6 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
     v_ = buffer<float>(B * nkv * hd);
     att_ = buffer<float>(B * nq * hd);
     att_scratch_ = buffer<float>(attention_scratch_floats(max_batch, int(nq), int(hd), split_));
-    const size_t per_seq = layers * ctx * nkv * hd;
-    kv_k_ = kv_of ? kv_of->kv_k_ + kv_slot * per_seq : buffer<float>(seqs * per_seq);
-    kv_v_ = kv_of ? kv_of->kv_v_ + kv_slot * per_seq : buffer<float>(seqs * per_seq);
   }
   act_ = buffer<float>(B * size_t(std::max<int64_t>(c.intermediate_size, 1)));
   logits_ = buffer<float>(B * size_t(c.vocab_size));
@@ -122,6 +183,7 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
     moe_.logits = buffer<float>(B * size_t(c.num_experts));
     if (B >= 2) moe_.out = buffer<float>(slots * H);  // the expert-grouped kernels (KESTREL_MOE_GROUPED_MIN_BATCH)
   }
+  guard.done = true;
 }
 
 Decoder::~Decoder() {
@@ -132,21 +194,37 @@ Decoder::~Decoder() {
 KvLayer Decoder::kv(int layer) const {
   const ModelConfig& c = m_.config();
   const int64_t row = c.is_mla() ? c.mla.latent() : c.num_kv_heads * c.head_dim;
-  const int64_t per_layer = int64_t(max_context_) * row;
+  const size_t per_layer = size_t(kv_blocks_) * kKvBlock * size_t(row);
   KvLayer l;
-  l.k = kv_k_ + layer * per_layer;
-  l.v = kv_v_ + layer * per_layer;
-  l.seq_stride = one_sequence_ ? 0 : per_layer * c.num_layers;
+  l.k = kv_k_ + size_t(layer) * per_layer;
+  l.v = kv_v_ + size_t(layer) * per_layer;
+  l.table = table_;
+  l.table_stride = one_sequence_ ? 0 : table_stride_;
+  l.row = int(row);
   return l;
 }
 
 KvLayer Decoder::index_kv(int layer) const {
-  const ModelConfig& c = m_.config();
-  const int64_t per_layer = int64_t(max_context_) * c.indexer.head_dim;
+  const int slot = index_slot_.at(size_t(layer));
+  if (slot < 0) fail("internal: layer ", layer, " has no indexer keys");
+  const int64_t row = m_.config().indexer.head_dim;
   KvLayer l;
-  l.k = l.v = mla_.index_cache + layer * per_layer;
-  l.seq_stride = one_sequence_ ? 0 : per_layer * c.num_layers;
+  l.k = l.v = index_pool_ + size_t(slot) * size_t(kv_blocks_) * kKvBlock * size_t(row);
+  l.table = table_;
+  l.table_stride = one_sequence_ ? 0 : table_stride_;
+  l.row = int(row);
   return l;
+}
+
+void Decoder::set_table(int seq, std::span<const int32_t> blocks, cudaStream_t s) {
+  const int seqs = one_sequence_ ? 1 : max_batch_;
+  if (seq < 0 || seq >= seqs) fail("internal: block table row ", seq, " of ", seqs);
+  if (blocks.size() > size_t(table_stride_))
+    fail("internal: ", blocks.size(), " blocks for a block table row of ", table_stride_);
+  for (int32_t b : blocks)
+    if (b < 0 || b >= kv_blocks_) fail("internal: KV block ", b, " outside the pool of ", kv_blocks_);
+  KESTREL_CUDA_CHECK(cudaMemcpyAsync(table_ + size_t(seq) * size_t(table_stride_), blocks.data(), blocks.size() * 4,
+                                     cudaMemcpyHostToDevice, s));
 }
 
 template <typename Op>

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <map>
+#include <span>
 #include <tuple>
 #include <vector>
 
@@ -26,6 +27,21 @@ struct RankLink {
   OneShotAllReduce* reduce = nullptr;  // x += the ranks' partial outputs, then the next RMSNorm
 };
 
+class Decoder;
+
+// Where a decoder's KV cache lives: a pool of blocks of 16 positions and a block table per
+// sequence (kv_layer.h).
+struct KvSource {
+  // A pool of its own of this many blocks, the tables set with set_table. 0: exactly
+  // ceil(max_context / 16) blocks per sequence and identity tables (sequence b holds blocks
+  // b * n .. b * n + n - 1), so the cache needs no set-up.
+  int64_t blocks = 0;
+  // Instead, the pool of this decoder (not one-sequence, same model and context): a one-sequence
+  // decoder prefilling any of its sequences, whose one table row (table()) the caller fills
+  // with that sequence's row before each step.
+  const Decoder* borrow = nullptr;
+};
+
 class Decoder {
  public:
   // With `one_sequence`, the batch rows are consecutive positions of a single sequence sharing
@@ -34,10 +50,9 @@ class Decoder {
   // each row is its own sequence with its own cache.
   // With `link`, the model is one rank's part (parallel/shard.h): the attention and FFN outputs
   // are partial sums reduced across the ranks, and the logits gathered from their shares.
-  // With `kv_of`, a one-sequence decoder works in sequence `kv_slot`'s KV cache of that batch
-  // decoder (prefill of one sequence of a batch, 8 positions per step) instead of its own.
+  // `kv`: where the KV cache lives (by default a pool of exactly enough with identity tables).
   Decoder(const DeviceModel& model, int max_batch, int max_context, bool one_sequence = false,
-          const RankLink* link = nullptr, const Decoder* kv_of = nullptr, int kv_slot = 0);
+          const RankLink* link = nullptr, KvSource kv = {});
   ~Decoder();
   Decoder(const Decoder&) = delete;
   Decoder& operator=(const Decoder&) = delete;
@@ -66,6 +81,18 @@ class Decoder {
   int max_context() const { return max_context_; }
   KvLayer kv(int layer) const;
 
+  // The KV pool's blocks and the block tables: [sequences][table_stride()] block ids in device
+  // memory (one row for a one-sequence decoder), read by every step, so graphs stay valid.
+  int64_t kv_blocks() const { return kv_blocks_; }
+  int table_stride() const { return table_stride_; }  // ceil(max_context / 16)
+  int32_t* table() { return table_; }
+  const int32_t* table() const { return table_; }
+  // Sequence `seq`'s first blocks.size() table entries (the rest keep theirs), copied on `s`
+  // before the next step enqueued there (the source may be reused once this returns).
+  void set_table(int seq, std::span<const int32_t> blocks, cudaStream_t s);
+  // Device memory of one block of 16 positions, all layers, for a model (or one rank's part).
+  static size_t kv_block_bytes(const DeviceModel& model);
+
  private:
   void advance(int batch, cudaStream_t s);
   // The attention block of an MLA layer (absorbed, see mla.h); `op` marks each op as in step().
@@ -80,6 +107,9 @@ class Decoder {
   KvLayer index_kv(int layer) const;
   template <typename T>
   T* buffer(size_t n);
+  // The pools of a KV cache of kv_blocks_ blocks, zeroed (rows read before they are written
+  // hold finite values).
+  void allocate_kv_pool();
 
   const DeviceModel& m_;
   int max_batch_, max_context_, launches_ = 0;
@@ -88,13 +118,20 @@ class Decoder {
   std::vector<void*> buffers_;
   float *part_ = nullptr, *shard_logits_ = nullptr, *gathered_ = nullptr;  // split only
   float *x_ = nullptr, *xn_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *att_ = nullptr, *act_ = nullptr;
-  float *logits_ = nullptr, *kv_k_ = nullptr, *kv_v_ = nullptr, *att_scratch_ = nullptr;  // MLA: kv_v_ == kv_k_
+  float *logits_ = nullptr, *att_scratch_ = nullptr;
+  // The KV pool (all layers, layer by layer: kv_blocks_ blocks of 16 rows each), owned or borrowed.
+  float *kv_k_ = nullptr, *kv_v_ = nullptr;  // MLA: the latent rows; kv_v_ == kv_k_
+  float* index_pool_ = nullptr;              // DSA: the indexer keys of the layers that have one
+  std::vector<int> index_slot_;              // per layer: its place in index_pool_, -1 without an indexer
+  int64_t kv_blocks_ = 0;
+  int32_t* table_ = nullptr;
+  int table_stride_ = 0;
   AttentionSplit split_;
   // MLA: q latent, kv latent, queries, queries in latent space, latent attention output, values;
   // DSA indexer: queries, key, head weights, scores, selected positions and their count.
   struct MlaBuffers {
     float *q_latent = nullptr, *kv_latent = nullptr, *q = nullptr, *q_abs = nullptr, *att = nullptr, *v = nullptr;
-    float *iq = nullptr, *ik = nullptr, *iw = nullptr, *scores = nullptr, *index_cache = nullptr;
+    float *iq = nullptr, *ik = nullptr, *iw = nullptr, *scores = nullptr;
     int32_t *select = nullptr, *select_count = nullptr;
   } mla_;
   int32_t *tokens_, *positions_, *next_;

@@ -1,21 +1,62 @@
 #include "backend/cuda/gpu_slots.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "backend/cuda/check.h"
 
 namespace kestrel::cuda {
+namespace {
 
-GpuSlots::GpuSlots(const GpuModel& model, int slots, int context)
-    : model_(model), context_(context), used_(size_t(slots), false), pos_(size_t(slots), 0),
-      vocab_(model.part(0).config().vocab_size) {
-  if (slots < 1 || slots > kMaxSlots) fail("--max-batch ", slots, ": the GPU runs 1 to ", kMaxSlots, " sequences at once");
-  decs_.resize(size_t(model.ranks()));
-  prefill_.resize(size_t(model.ranks()));
-  for (auto& p : prefill_) p.resize(size_t(slots));
+int checked_slots(int slots) {
+  if (slots < 1 || slots > GpuSlots::kMaxSlots)
+    fail("--max-batch ", slots, ": the GPU runs 1 to ", GpuSlots::kMaxSlots, " sequences at once");
+  return slots;
+}
+
+// The blocks the slots share (the spare block comes on top): kv_positions in whole blocks, or
+// for 0 a whole context per slot where 90% of every GPU's free memory holds it (the rest is for
+// the decoders' buffers and graphs), else as many as it holds.
+int64_t pool_blocks(const GpuModel& model, int slots, int context, int64_t kv_positions) {
+  if (kv_positions > 0) return std::max<int64_t>(1, kv_positions / KvBlockPool::kBlock);
+  const int64_t want = int64_t(slots) * KvBlockPool::blocks_for(context);
+  std::vector<int64_t> fit(size_t(model.ranks()));
+  std::vector<size_t> free_bytes(fit.size());
   model.each_rank([&](int r) {
-    decs_[size_t(r)] = std::make_unique<Decoder>(model.part(r), slots, context, false, model.link(r));
+    size_t free = 0, total = 0;
+    KESTREL_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    free_bytes[size_t(r)] = free;
+    fit[size_t(r)] = int64_t(0.9 * double(free) / double(Decoder::kv_block_bytes(model.part(r)))) - 1;
+  });
+  int64_t blocks = want;
+  for (int r = 0; r < model.ranks(); ++r) {
+    if (fit[size_t(r)] < 1)
+      fail("GPU ", r, " has ", free_bytes[size_t(r)] >> 20, " MiB free after loading the model: no room for a KV cache (",
+           Decoder::kv_block_bytes(model.part(r)), " bytes per block of ", KvBlockPool::kBlock, " positions)");
+    blocks = std::min(blocks, fit[size_t(r)]);
+  }
+  return blocks;
+}
+
+}  // namespace
+
+GpuSlots::GpuSlots(const GpuModel& model, int slots, int context, int64_t kv_positions)
+    : model_(model), context_(context),
+      tables_(pool_blocks(model, checked_slots(slots), context, kv_positions), slots, context),
+      pos_(size_t(slots), 0), vocab_(model.part(0).config().vocab_size) {
+  const int ranks = model.ranks();
+  decs_.resize(size_t(ranks));
+  prefill_.resize(size_t(ranks));
+  for (int r = 0; r < ranks; ++r)
+    kv_bytes_ = std::max(kv_bytes_, size_t(tables_.pool_blocks()) * Decoder::kv_block_bytes(model.part(r)));
+  model.each_rank([&](int r) {
+    KvSource pool;
+    pool.blocks = tables_.pool_blocks();
+    decs_[size_t(r)] = std::make_unique<Decoder>(model.part(r), slots, context, false, model.link(r), pool);
+    KvSource borrow;
+    borrow.borrow = decs_[size_t(r)].get();
+    prefill_[size_t(r)] = std::make_unique<Decoder>(model.part(r), kPrefillChunk, context, true, model.link(r), borrow);
   });
   KESTREL_CUDA_CHECK(cudaSetDevice(0));
   KESTREL_CUDA_CHECK(cudaMallocHost(&logits_, size_t(slots) * size_t(vocab_) * 4));
@@ -24,7 +65,7 @@ GpuSlots::GpuSlots(const GpuModel& model, int slots, int context)
 GpuSlots::~GpuSlots() {
   try {
     model_.each_rank([&](int r) {
-      prefill_[size_t(r)].clear();
+      prefill_[size_t(r)].reset();  // borrows the batched decoder's pool
       decs_[size_t(r)].reset();
     });
   } catch (const std::exception&) {
@@ -32,15 +73,23 @@ GpuSlots::~GpuSlots() {
   if (logits_) cudaFreeHost(logits_);
 }
 
+std::string GpuSlots::kv_summary() const {
+  char gib[32];
+  std::snprintf(gib, sizeof gib, "%.2f", double(kv_bytes_) / double(1 << 30));
+  return std::to_string(kv_positions()) + " KV positions, " + gib + " GiB" + (model_.ranks() > 1 ? " per GPU" : "");
+}
+
+std::string GpuSlots::describe() const { return "cuda, " + model_.describe() + ", " + kv_summary(); }
+
 int GpuSlots::open(int64_t positions) {
   if (positions > context_) fail("a sequence of ", positions, " positions is longer than the GPU context of ", context_);
-  for (size_t i = 0; i < used_.size(); ++i)
-    if (!used_[i]) {  // the lowest free slot, so that steps run as few rows as possible
-      used_[i] = true;
-      pos_[i] = 0;
-      return int(i);
+  for (int i = 0; i < slots(); ++i)
+    if (!tables_.is_open(i)) {  // the lowest free slot, so that steps run as few rows as possible
+      tables_.open(i, positions);
+      pos_[size_t(i)] = 0;
+      return i;
     }
-  fail("internal: no free sequence slot of ", used_.size());
+  fail("internal: no free sequence slot of ", slots());
 }
 
 void GpuSlots::run(std::span<const Job> jobs) {
@@ -50,41 +99,47 @@ void GpuSlots::run(std::span<const Job> jobs) {
   for (const Job& j : jobs) {
     if (j.tokens.empty() || j.tokens.size() > size_t(kPrefillChunk))
       fail("internal: the GPU runs 1 to ", kPrefillChunk, " tokens per sequence and step");
-    if (!used_.at(size_t(j.slot))) fail("internal: slot ", j.slot, " is not open");
-    if (pos_[size_t(j.slot)] + int64_t(j.tokens.size()) > context_)
-      fail("the sequence in slot ", j.slot, " would pass the context of ", context_);
+    if (j.slot < 0 || j.slot >= slots() || !tables_.is_open(j.slot)) fail("internal: slot ", j.slot, " is not open");
+    const int64_t end = pos_[size_t(j.slot)] + int64_t(j.tokens.size());
+    if (end > tables_.held(j.slot) * KvBlockPool::kBlock)
+      fail("internal: the sequence in slot ", j.slot, " would hold ", end, " positions, more than the ",
+           tables_.held(j.slot) * KvBlockPool::kBlock, " of its KV blocks");
     if (j.tokens.size() > 1) prefill.push_back(&j);
     else rows = std::max(rows, j.slot + 1);
   }
   // Rows of the batched step without a job run token 0 at their next unwritten position (after
   // this run's prefill; a slot in use writes that position again with its real token later) or
-  // at 0 (a free slot); their logits are not read.
+  // at 0 (a free slot); their logits are not read. What they write past a sequence's blocks, or
+  // for a free slot, goes to the spare block (kv_block_tables.h).
   std::vector<int32_t> next(pos_);
   for (const Job* j : prefill) next[size_t(j->slot)] += int32_t(j->tokens.size());
   std::vector<int32_t> tokens(size_t(rows), 0), positions(size_t(rows), 0);
   for (int i = 0; i < rows; ++i)
-    if (used_[size_t(i)]) positions[size_t(i)] = std::min(next[size_t(i)], context_ - 1);
+    if (tables_.is_open(i)) positions[size_t(i)] = std::min(next[size_t(i)], context_ - 1);
   for (const Job& j : jobs)
     if (j.tokens.size() == 1) tokens[size_t(j.slot)] = j.tokens[0];
+  const std::vector<int> changed = tables_.changed();
   const size_t V = size_t(vocab_);
   model_.each_rank([&](int r) {
     const cudaStream_t s = model_.stream(r);
+    Decoder& dec = *decs_[size_t(r)];
+    for (int slot : changed) dec.set_table(slot, tables_.row(slot), s);  // before any step reads them
+    const size_t stride = size_t(dec.table_stride());
     for (const Job* j : prefill) {  // every rank runs the same steps in the same order
-      std::unique_ptr<Decoder>& p = prefill_[size_t(r)][size_t(j->slot)];
-      if (!p) p = std::make_unique<Decoder>(model_.part(r), kPrefillChunk, context_, true, model_.link(r),
-                                            decs_[size_t(r)].get(), j->slot);
+      Decoder& p = *prefill_[size_t(r)];
+      KESTREL_CUDA_CHECK(cudaMemcpyAsync(p.table(), dec.table() + size_t(j->slot) * stride, stride * 4,
+                                         cudaMemcpyDeviceToDevice, s));
       const int n = int(j->tokens.size());
       int32_t pos[kPrefillChunk];
       for (int i = 0; i < n; ++i) pos[i] = pos_[size_t(j->slot)] + i;
-      KESTREL_CUDA_CHECK(cudaMemcpyAsync(p->tokens(), j->tokens.data(), size_t(n) * 4, cudaMemcpyHostToDevice, s));
-      KESTREL_CUDA_CHECK(cudaMemcpyAsync(p->positions(), pos, size_t(n) * 4, cudaMemcpyHostToDevice, s));
-      p->step_graph(n, false, s);
+      KESTREL_CUDA_CHECK(cudaMemcpyAsync(p.tokens(), j->tokens.data(), size_t(n) * 4, cudaMemcpyHostToDevice, s));
+      KESTREL_CUDA_CHECK(cudaMemcpyAsync(p.positions(), pos, size_t(n) * 4, cudaMemcpyHostToDevice, s));
+      p.step_graph(n, false, s, Decoder::Logits::Last);  // only the last position's logits are read
       if (r == 0 && j->logits)
-        KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits_ + size_t(j->slot) * V, p->logits() + size_t(n - 1) * V, V * 4,
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits_ + size_t(j->slot) * V, p.logits() + size_t(n - 1) * V, V * 4,
                                            cudaMemcpyDeviceToHost, s));
     }
     if (rows > 0) {
-      Decoder& dec = *decs_[size_t(r)];
       KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.tokens(), tokens.data(), size_t(rows) * 4, cudaMemcpyHostToDevice, s));
       KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.positions(), positions.data(), size_t(rows) * 4, cudaMemcpyHostToDevice, s));
       dec.step_graph(rows, false, s);
@@ -96,6 +151,7 @@ void GpuSlots::run(std::span<const Job> jobs) {
     }
     KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
   });
+  tables_.clear_changed();  // only once every rank has them (a failed run sends them again)
   for (const Job& j : jobs) {
     pos_[size_t(j.slot)] += int32_t(j.tokens.size());
     if (j.logits) std::memcpy(j.logits, logits_ + size_t(j.slot) * V, V * 4);

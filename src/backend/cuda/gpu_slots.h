@@ -1,8 +1,9 @@
 // The engine's sequences on the GPU (runtime/sequence_slots.h): slot i is row i of one batched
-// decoder (its own KV cache region); a step runs one token for every slot that decodes as one
-// CUDA graph replay (per GPU when split), and up to 8 prompt tokens for every slot that
-// prefills (a one-sequence decoder working in the slot's KV cache), then copies the logits back
-// for the host's samplers.
+// decoder; a step runs one token for every slot that decodes as one CUDA graph replay (per GPU
+// when split), and up to 64 prompt tokens for every slot that prefills (one one-sequence decoder
+// per GPU, working in the slot's blocks), then copies the logits back for the host's samplers.
+// The KV cache is one pool of blocks of 16 positions per GPU that the slots share: a sequence
+// holds the blocks of the positions it reserved (kv_block_tables.h), not a whole context.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -11,33 +12,46 @@
 
 #include "backend/cuda/decoder.h"
 #include "backend/cuda/gpu_model.h"
+#include "runtime/kv_block_tables.h"
 #include "runtime/sequence_slots.h"
 
 namespace kestrel::cuda {
 
 class GpuSlots final : public SequenceSlots {
  public:
-  static constexpr int kMaxSlots = 8;  // the decode kernels' largest batch
-  GpuSlots(const GpuModel& model, int slots, int context);
+  // Sequences per batched step. The decode kernels take any batch (linear and gated products in
+  // passes of 8 tokens; the expert-grouped MoE kernels up to 256 tokens, the per-slot ones any);
+  // 64 bounds the graphs captured and the scratch held per batch row.
+  static constexpr int kMaxSlots = 64;
+  // `kv_positions`: the KV pool the slots share (whole blocks of 16, at least one). 0: enough for
+  // every slot to hold a whole context, or what 90% of the free memory of each GPU holds if less.
+  GpuSlots(const GpuModel& model, int slots, int context, int64_t kv_positions);
   ~GpuSlots() override;
 
-  int slots() const override { return int(used_.size()); }
-  static constexpr int kPrefillChunk = 8;  // positions per prefill step
+  int slots() const override { return tables_.slots(); }
+  // Positions per prefill step (as Session's chunk: each step reads the weights its tokens touch once).
+  static constexpr int kPrefillChunk = 64;
   int64_t max_chunk() const override { return kPrefillChunk; }
   int open(int64_t positions) override;
-  void close(int slot) override { used_.at(size_t(slot)) = false; }
+  void close(int slot) override { tables_.close(slot); }
   void run(std::span<const Job> jobs) override;
-  std::string describe() const override { return "cuda, " + model_.describe(); }
+  std::string describe() const override;
+
+  int64_t kv_positions() const { return tables_.blocks() * KvBlockPool::kBlock; }  // the engine's kv_tokens
+  size_t kv_bytes() const { return kv_bytes_; }  // the pool's device memory on the GPU that holds the most
+  // "N KV positions, X GiB" (per GPU when split).
+  std::string kv_summary() const;
 
  private:
   const GpuModel& model_;
   int context_;
-  std::vector<std::unique_ptr<Decoder>> decs_;  // per rank
-  std::vector<std::vector<std::unique_ptr<Decoder>>> prefill_;  // per rank and slot, made on first use
-  std::vector<bool> used_;
+  KvBlockTables tables_;
+  std::vector<std::unique_ptr<Decoder>> decs_;     // per rank: the batched step over every slot
+  std::vector<std::unique_ptr<Decoder>> prefill_;  // per rank: one slot's prompt, in the slot's blocks
   std::vector<int32_t> pos_;  // next position of each slot
   float* logits_ = nullptr;   // pinned [slots, vocab]
   int64_t vocab_;
+  size_t kv_bytes_ = 0;
 };
 
 }  // namespace kestrel::cuda

@@ -1,4 +1,5 @@
 #include "backend/cuda/check.h"
+#include "backend/cuda/kv_paged.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/norm_rope.h"
 #include "backend/cuda/reduce.cuh"
@@ -76,13 +77,14 @@ __global__ void qk_rope_store_kernel(float* __restrict__ q, const float* __restr
     for (int i = threadIdx.x; i < hd; i += blockDim.x) buf[i] = norm[i] * (buf[i] * inv);
   }
   __syncthreads();
-  float* dst = is_q ? q + (size_t(b) * nq + h) * hd : cache.k + size_t(b) * cache.seq_stride + (size_t(pos) * nkv + kh) * hd;
+  const size_t at = is_q ? 0 : kv_offset(cache, b, pos) + size_t(kh) * hd;
+  float* dst = is_q ? q + (size_t(b) * nq + h) * hd : cache.k + at;
   for (int i = threadIdx.x; i < hd; i += blockDim.x)
     dst[i] = i < rope.rotary_dim ? rotated(buf, i, pos, rope.inv_freq, rope.scaling, rope.rotary_dim, rope.interleaved)
                                  : buf[i];
   if (!is_q) {
     const float* vs = v + (size_t(b) * nkv + kh) * hd;
-    float* vd = cache.v + size_t(b) * cache.seq_stride + (size_t(pos) * nkv + kh) * hd;
+    float* vd = cache.v + at;
     #pragma unroll 4
     for (int i = threadIdx.x; i < hd; i += blockDim.x) vd[i] = vs[i];
   }
@@ -98,6 +100,8 @@ void launch_rms_norm(const float* x, const float* w, int rows, int n, float eps,
 void launch_qk_rope_store(float* q, const float* k, const float* v, int batch, int nq, int nkv, int hd,
                           const float* q_norm, const float* k_norm, float eps, const RopeArgs& rope,
                           const int32_t* positions, KvLayer cache, cudaStream_t s) {
+  if (!cache.table || cache.row != nkv * hd)
+    fail("internal: a KV cache of rows of ", cache.row, " floats for ", nkv, " heads of ", hd);
   launch(qk_rope_store_kernel, dim3(unsigned(batch), unsigned(nq + nkv)), dim3(64), size_t(hd) * sizeof(float), s, q,
          k, v, nq, nkv, hd, q_norm, k_norm, eps, rope, positions, cache);
   KESTREL_CUDA_LAUNCHED();

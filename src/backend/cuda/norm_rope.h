@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "backend/cuda/kv_layer.h"
+
 namespace kestrel::cuda {
 
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for `rows` rows of n floats.
@@ -17,16 +19,8 @@ struct RopeArgs {
   int interleaved = 0;
 };
 
-// KV cache of one layer: keys and values of sequence `seq` at position p live at
-// base + (seq * seq_stride + p * pos_stride) floats (pos_stride = kv_heads * head_dim).
-struct KvLayer {
-  float* k = nullptr;
-  float* v = nullptr;
-  int64_t seq_stride = 0;
-};
-
-// q: [B, nq, hd] in place; k, v: [B, nkv, hd], normalized/rotated and stored to the cache at
-// positions[b]. q_norm / k_norm may be null (no QK norm).
+// q: [B, nq, hd] in place; k, v: [B, nkv, hd], normalized/rotated and stored to the cache (rows
+// of nkv * hd) at positions[b]. q_norm / k_norm may be null (no QK norm).
 void launch_qk_rope_store(float* q, const float* k, const float* v, int batch, int nq, int nkv, int hd,
                           const float* q_norm, const float* k_norm, float eps, const RopeArgs& rope,
                           const int32_t* positions, KvLayer cache, cudaStream_t s);
