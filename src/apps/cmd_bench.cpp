@@ -18,6 +18,7 @@
 #include "backend/cuda/op_timer.h"
 #include "backend/cuda/rank_group.h"
 #include "backend/cuda/session.h"
+#include "backend/cuda/upload.h"
 #include "formats/json_file.h"
 #include "model/weights.h"
 #include "parallel/shard.h"
@@ -140,6 +141,17 @@ std::vector<BarRow> print_event_ops(cuda::Decoder& dec, const ModelConfig& c, in
   std::vector<BarRow> bars;
   for (const auto& r : rows) bars.push_back({r.name, r.ms[r.ms.size() / 2] * 1e3, r.bytes / bw * 1e6});
   return bars;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// How long a checkpoint took from opening to being on the GPU(s), by phase.
+void print_ready(double open_s, double cuda_s, double upload_s, double total_s) {
+  std::printf("ready on the GPU %.1f s after opening the checkpoint (config and headers %.2f s, GPU start-up %.2f s, "
+              "weight upload %.2f s)\n",
+              total_s, open_s, cuda_s, upload_s);
 }
 
 // Device-to-device copy of 4 GiB: bytes read + written over time (the bandwidth ceiling).
@@ -285,20 +297,32 @@ int run_split_bench(const Options* o, const std::vector<int>& batches) {
   const Layout& layout = o->layout;
   std::unique_ptr<Model> host;
   ModelConfig full;
+  const auto t0 = std::chrono::steady_clock::now();
+  double open_s = 0;
   if (!o->model.empty() && !o->random_weights) {
-    host = load_model(o->model, Progress::On);
+    host = load_model(o->model, Progress::Off);  // no read pass: the upload's threads read the weights
     full = host->config;
+    open_s = seconds_since(t0);
   } else {
     full = o->model.empty() ? parse_model_config_and_quant(read_json_file(o->config), o->config)
                             : load_model_config(o->model);
     if (o->layers) full = first_layers(full, o->layers);
   }
   cuda::RankGroup group(layout.ranks());
+  const double cuda_s = seconds_since(t0) - open_s;
   std::vector<std::unique_ptr<cuda::DeviceModel>> models(size_t(layout.ranks()));
+  cuda::UploadMeter meter(layout.ranks());
+  cuda::UploadOptions uo;
+  uo.meter = &meter;
   group.run([&](int r) {
-    models[size_t(r)] = host ? cuda::DeviceModel::upload(*shard_model(*host, layout, r))
+    models[size_t(r)] = host ? cuda::DeviceModel::upload(*shard_model(*host, layout, r), uo)
                              : cuda::DeviceModel::random(full, 1, layout, r);
   });
+  if (host) {
+    const double upload_s = meter.seconds();
+    meter.report();
+    print_ready(open_s, cuda_s, upload_s, seconds_since(t0));
+  }
   const double bw = measure_bandwidth();
   std::printf("model: %s, %lld layers%s, %s over %d GPUs, %.2f GiB of weights on GPU 0\n", full.architecture.c_str(),
               (long long)full.num_layers, o->layers ? " (a slice: the first layers of the configuration)" : "",
@@ -403,8 +427,18 @@ int run_bench(const Options* o) {
     std::unique_ptr<Model> host;
     std::unique_ptr<cuda::DeviceModel> dm;
     if (!o->model.empty() && !o->random_weights) {
-      host = load_model(o->model, Progress::On);
-      dm = cuda::DeviceModel::upload(*host);
+      const auto t0 = std::chrono::steady_clock::now();
+      host = load_model(o->model, Progress::Off);  // no read pass: the upload's threads read the weights
+      const double open_s = seconds_since(t0);
+      KESTREL_CUDA_CHECK(cudaFree(nullptr));  // CUDA's start-up, outside the upload's time
+      const double cuda_s = seconds_since(t0) - open_s;
+      cuda::UploadMeter meter(1);
+      cuda::UploadOptions uo;
+      uo.meter = &meter;
+      dm = cuda::DeviceModel::upload(*host, uo);
+      const double upload_s = meter.seconds();
+      meter.report();
+      print_ready(open_s, cuda_s, upload_s, seconds_since(t0));
     } else {
       ModelConfig full =
           o->model.empty() ? parse_model_config_and_quant(read_json_file(o->config), o->config) : load_model_config(o->model);

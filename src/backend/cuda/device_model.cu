@@ -85,32 +85,6 @@ const float* DeviceModel::floats(const std::vector<float>& v) {
   return static_cast<const float*>(p);
 }
 
-DLinear DeviceModel::put(const Linear& l) {
-  if (uint8_t(l.format) > uint8_t(WeightFormat::NVFP4))
-    fail(l.name, ": the CUDA backend reads F32, F16, BF16 and NVFP4 weights, not ", format_name(l.format));
-  DLinear d;
-  d.out = int32_t(l.out);
-  d.in = int32_t(l.in);
-  d.format = DFormat(uint8_t(l.format));
-  if (l.format == WeightFormat::NVFP4) {
-    const size_t codes = size_t(l.out) * size_t(l.in / 2), scales = size_t(l.out) * size_t(l.in / 16);
-    void* p = alloc(codes);
-    KESTREL_CUDA_CHECK(cudaMemcpy(p, l.data, codes, cudaMemcpyHostToDevice));
-    void* s = alloc(scales);
-    KESTREL_CUDA_CHECK(cudaMemcpy(s, l.scales, scales, cudaMemcpyHostToDevice));
-    d.data = static_cast<const uint8_t*>(p);
-    d.scales = static_cast<const uint8_t*>(s);
-    d.scale2 = l.scale2;
-  } else {
-    const size_t n = l.row_bytes() * size_t(l.out);
-    void* p = alloc(n);
-    KESTREL_CUDA_CHECK(cudaMemcpy(p, l.data, n, cudaMemcpyHostToDevice));
-    d.data = static_cast<const uint8_t*>(p);
-  }
-  d.bias = floats(l.bias);
-  return d;
-}
-
 const DLinear* DeviceModel::put_array(const std::vector<DLinear>& v) {
   void* p = alloc(v.size() * sizeof(DLinear));
   KESTREL_CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(DLinear), cudaMemcpyHostToDevice));
@@ -157,82 +131,132 @@ void check_kv_b(const Linear& l) {
          " (keep attention out of the quantized modules)");
 }
 
+// A matrix's codes (or dense values), NVFP4 block scales and bias placed in the arena.
+DLinear place_linear(WeightArena& a, const Linear& l) {
+  if (uint8_t(l.format) > uint8_t(WeightFormat::NVFP4))
+    fail(l.name, ": the CUDA backend reads F32, F16, BF16 and NVFP4 weights, not ", format_name(l.format));
+  DLinear d;
+  d.out = int32_t(l.out);
+  d.in = int32_t(l.in);
+  d.format = DFormat(uint8_t(l.format));
+  if (l.format == WeightFormat::NVFP4) {
+    d.data = a.put(l.data, size_t(l.out) * size_t(l.in / 2), l.name);
+    d.scales = a.put(l.scales, size_t(l.out) * size_t(l.in / 16), l.name + " (block scales)");
+    d.scale2 = l.scale2;
+  } else {
+    d.data = a.put(l.data, l.row_bytes() * size_t(l.out), l.name);
+  }
+  if (!l.bias.empty()) d.bias = reinterpret_cast<const float*>(a.put(l.bias.data(), l.bias.size() * 4, l.name + " (bias)"));
+  return d;
+}
+
+const float* place_floats(WeightArena& a, const std::vector<float>& v, const std::string& what) {
+  return v.empty() ? nullptr : reinterpret_cast<const float*>(a.put(v.data(), v.size() * 4, what));
+}
+
+// Device arrays of descriptors (the experts'), copied: the host vectors are temporaries.
+const DLinear* place_array(WeightArena& a, const std::vector<DLinear>& v, const std::string& what) {
+  return reinterpret_cast<const DLinear*>(a.put_copy(v.data(), v.size() * sizeof(DLinear), what));
+}
+
 }  // namespace
 
-std::unique_ptr<DeviceModel> DeviceModel::upload(const Model& m) {
-  std::unique_ptr<DeviceModel> d(new DeviceModel(m.config));
+// Run twice by upload(): on a measuring arena, then on one of the measured size.
+void DeviceModel::place(const Model& m, WeightArena& a) {
   const ModelConfig& c = m.config;
   const ModelWeights& w = m.weights;
-  d->embed_ = d->put(w.embed);
+  embed_ = place_linear(a, w.embed);
   const bool tied = w.lm_head.data == w.embed.data && w.lm_head.out == w.embed.out;  // not when split by vocabulary
-  d->lm_head_ = tied ? d->embed_ : d->put(w.lm_head);
-  d->final_norm_ = d->floats(w.final_norm);
-  d->inv_freq_ = d->floats(c.rope.inv_freq());
-  for (const LayerWeights& L : w.layers) {
+  lm_head_ = tied ? embed_ : place_linear(a, w.lm_head);
+  final_norm_ = place_floats(a, w.final_norm, "model.norm");
+  const std::vector<float> inv_freq = c.rope.inv_freq();
+  inv_freq_ = inv_freq.empty() ? nullptr
+                               : reinterpret_cast<const float*>(a.put_copy(inv_freq.data(), inv_freq.size() * 4, "rotary frequencies"));
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    const LayerWeights& L = w.layers[i];
+    const std::string p = "model.layers." + std::to_string(i) + ".";
     DLayer l;
-    l.attn_norm = d->floats(L.attn_norm);
-    l.ffn_norm = d->floats(L.ffn_norm);
+    l.attn_norm = place_floats(a, L.attn_norm, p + "input_layernorm");
+    l.ffn_norm = place_floats(a, L.ffn_norm, p + "post_attention_layernorm");
     if (c.is_mla()) {
-      const MlaWeights& a = L.mla;
-      check_kv_b(a.kv_b);
+      const MlaWeights& x = L.mla;
+      check_kv_b(x.kv_b);
       if (c.mla.q_lora_rank > 0) {
-        l.mla.q_a = d->put(a.q_a);
-        l.mla.q_b = d->put(a.q_b);
-        l.mla.q_a_norm = d->floats(a.q_a_norm);
+        l.mla.q_a = place_linear(a, x.q_a);
+        l.mla.q_b = place_linear(a, x.q_b);
+        l.mla.q_a_norm = place_floats(a, x.q_a_norm, p + "self_attn.q_a_layernorm");
       } else {
-        l.mla.q = d->put(a.q);
+        l.mla.q = place_linear(a, x.q);
       }
-      l.mla.kv_a = d->put(a.kv_a);
-      l.mla.kv_b = d->put(a.kv_b);
-      l.mla.kv_a_norm = d->floats(a.kv_a_norm);
-      l.mla.has_indexer = a.has_indexer;
-      if (a.has_indexer) {
-        l.mla.index_wq_b = d->put(a.indexer.wq_b);
-        l.mla.index_wk = d->put(a.indexer.wk);
-        l.mla.index_weights = d->put(a.indexer.weights_proj);
-        l.mla.index_norm_w = d->floats(a.indexer.k_norm);
-        l.mla.index_norm_b = d->floats(a.indexer.k_norm_bias);
+      l.mla.kv_a = place_linear(a, x.kv_a);
+      l.mla.kv_b = place_linear(a, x.kv_b);
+      l.mla.kv_a_norm = place_floats(a, x.kv_a_norm, p + "self_attn.kv_a_layernorm");
+      l.mla.has_indexer = x.has_indexer;
+      if (x.has_indexer) {
+        l.mla.index_wq_b = place_linear(a, x.indexer.wq_b);
+        l.mla.index_wk = place_linear(a, x.indexer.wk);
+        l.mla.index_weights = place_linear(a, x.indexer.weights_proj);
+        l.mla.index_norm_w = place_floats(a, x.indexer.k_norm, p + "self_attn.indexer.k_norm");
+        l.mla.index_norm_b = place_floats(a, x.indexer.k_norm_bias, p + "self_attn.indexer.k_norm bias");
       }
     } else {
-      l.q = d->put(L.q);
-      l.k = d->put(L.k);
-      l.v = d->put(L.v);
+      l.q = place_linear(a, L.q);
+      l.k = place_linear(a, L.k);
+      l.v = place_linear(a, L.v);
     }
-    l.o = d->put(L.o);
-    l.q_norm = d->floats(L.q_norm);
-    l.k_norm = d->floats(L.k_norm);
+    l.o = place_linear(a, L.o);
+    l.q_norm = place_floats(a, L.q_norm, p + "self_attn.q_norm");
+    l.k_norm = place_floats(a, L.k_norm, p + "self_attn.k_norm");
     l.is_moe = L.is_moe;
     if (!L.is_moe) {
-      l.gate = d->put(L.mlp.gate);
-      l.up = d->put(L.mlp.up);
-      l.down = d->put(L.mlp.down);
+      l.gate = place_linear(a, L.mlp.gate);
+      l.up = place_linear(a, L.mlp.up);
+      l.down = place_linear(a, L.mlp.down);
+      expert_bytes_.push_back(0);
     } else {
       DMoe& moe = l.moe;
-      moe.router = make_router(c, d->put(L.moe.router), d->floats(L.moe.correction_bias));
+      moe.router = make_router(c, place_linear(a, L.moe.router),
+                               place_floats(a, L.moe.correction_bias, p + "router correction bias"));
       std::vector<DLinear> g, u, dn;
       for (const GatedFfn& e : L.moe.experts) {
-        g.push_back(d->put(e.gate));
-        u.push_back(d->put(e.up));
-        dn.push_back(d->put(e.down));
+        g.push_back(place_linear(a, e.gate));
+        u.push_back(place_linear(a, e.up));
+        dn.push_back(place_linear(a, e.down));
       }
       describe_experts(moe, g, u, dn);
-      moe.gate = d->put_array(g);
-      moe.up = d->put_array(u);
-      moe.down = d->put_array(dn);
-      d->expert_bytes_.push_back(g[0].bytes() + u[0].bytes() + dn[0].bytes());
+      moe.gate = place_array(a, g, p + "expert gate descriptors");
+      moe.up = place_array(a, u, p + "expert up descriptors");
+      moe.down = place_array(a, dn, p + "expert down descriptors");
+      expert_bytes_.push_back(g[0].bytes() + u[0].bytes() + dn[0].bytes());
       moe.width = int(c.moe_intermediate_size);
       moe.first_expert = int(L.moe.first_expert);
       moe.local_experts = int(L.moe.experts.size());
       moe.has_shared = L.moe.has_shared;
       if (L.moe.has_shared) {
-        moe.shared_gate = d->put(L.moe.shared.gate);
-        moe.shared_up = d->put(L.moe.shared.up);
-        moe.shared_down = d->put(L.moe.shared.down);
+        moe.shared_gate = place_linear(a, L.moe.shared.gate);
+        moe.shared_up = place_linear(a, L.moe.shared.up);
+        moe.shared_down = place_linear(a, L.moe.shared.down);
       }
     }
-    if (!l.is_moe) d->expert_bytes_.push_back(0);
-    d->layers_.push_back(l);
+    layers_.push_back(l);
   }
+}
+
+std::unique_ptr<DeviceModel> DeviceModel::upload(const Model& m, const UploadOptions& o) {
+  uint64_t size = 0;
+  {
+    WeightArena measuring;
+    DeviceModel(m.config).place(m, measuring);
+    size = measuring.size();
+  }
+  if (o.meter) o.meter->expect(size);
+  WeightArena arena(size);
+  std::unique_ptr<DeviceModel> d(new DeviceModel(m.config));
+  d->place(m, arena);
+  if (arena.size() != size) fail("internal: the weight arena measured ", size, " bytes and placed ", arena.size());
+  arena.upload(o);
+  d->allocations_.push_back(arena.release());
+  d->bytes_ = size;
   return d;
 }
 

@@ -1,6 +1,7 @@
 // A model's weights in GPU memory, in their stored formats, as kernel descriptors. Made either
-// by uploading a loaded checkpoint or by filling the shapes of a configuration with random
-// values on the GPU (benchmarks of models too large to download).
+// by uploading a loaded checkpoint (every tensor in one arena, copied through pinned staging
+// buffers: upload.h) or by filling the shapes of a configuration with random values on the GPU
+// (benchmarks of models too large to download).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -9,6 +10,7 @@
 
 #include "backend/cuda/dlinear.h"
 #include "backend/cuda/moe.h"
+#include "backend/cuda/upload.h"
 #include "model/model_config.h"
 #include "model/weights.h"
 #include "parallel/layout.h"
@@ -40,7 +42,8 @@ struct DLayer {
 
 class DeviceModel {
  public:
-  static std::unique_ptr<DeviceModel> upload(const Model& m);
+  // On the current device; o.meter, if any, hears of the bytes copied.
+  static std::unique_ptr<DeviceModel> upload(const Model& m, const UploadOptions& o = {});
   // Random weights of the shapes of `c`, or of one rank's part of them when split by `layout`.
   static std::unique_ptr<DeviceModel> random(const ModelConfig& c, uint64_t seed = 1, const Layout& layout = {},
                                              int rank = 0);
@@ -62,7 +65,8 @@ class DeviceModel {
   explicit DeviceModel(const ModelConfig& c) : config_(c) {}
   void* alloc(size_t bytes);
   const float* floats(const std::vector<float>& v);
-  DLinear put(const Linear& l);
+  // Places every tensor of m in the arena and fills the descriptors with their device addresses.
+  void place(const Model& m, WeightArena& a);
   // Rows [row0, row0 + rows) and columns [col0, col0 + cols) of a random matrix with full_in columns.
   struct RandomBlock {
     int64_t full_in, row0, rows, col0, cols;

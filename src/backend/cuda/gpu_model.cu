@@ -7,14 +7,23 @@ namespace kestrel::cuda {
 
 GpuModel::GpuModel(const Model& m, const Layout& layout) : layout_(layout) {
   if (!layout.split()) {
-    parts_.push_back(DeviceModel::upload(m));
+    UploadOptions o;
+    UploadMeter meter(1);
+    o.meter = &meter;
+    parts_.push_back(DeviceModel::upload(m, o));
+    meter.report();
     KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   } else {
     group_ = std::make_unique<RankGroup>(layout.ranks());
+    // The ranks upload at once, each on its GPU with its own staging buffers and threads.
+    UploadOptions o;
+    UploadMeter meter(layout.ranks());
+    o.meter = &meter;
     std::vector<std::unique_ptr<Model>> shards;
     for (int r = 0; r < layout.ranks(); ++r) shards.push_back(shard_model(m, layout, r));
     parts_.resize(shards.size());
-    group_->run([&](int r) { parts_[size_t(r)] = DeviceModel::upload(*shards[size_t(r)]); });
+    group_->run([&](int r) { parts_[size_t(r)] = DeviceModel::upload(*shards[size_t(r)], o); });
+    meter.report();
   }
   cudaDeviceProp p{};
   if (cudaGetDeviceProperties(&p, 0) == cudaSuccess) gpu_ = p.name;

@@ -1,5 +1,6 @@
 // A loaded model on the GPUs: unsplit on GPU 0, or split by a layout over GPUs 0 .. N-1 (rank r's
-// part, parallel/shard.h, uploaded on GPU r, the ranks driven by a RankGroup).
+// part, parallel/shard.h, uploaded on GPU r, the ranks driven by a RankGroup). Uploading shows
+// its progress and ends with one line on stderr: bytes, seconds, GB/s (upload.h).
 #pragma once
 #include <functional>
 #include <memory>
