@@ -108,6 +108,9 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
   tokens_ = buffer<int32_t>(B);
   positions_ = buffer<int32_t>(B);
   next_ = buffer<int32_t>(B);
+  sample_params_ = buffer<SampleParams>(B);
+  const std::vector<SampleParams> greedy(B);
+  KESTREL_CUDA_CHECK(cudaMemcpy(sample_params_, greedy.data(), B * sizeof(SampleParams), cudaMemcpyHostToDevice));
   uint8_t* am = buffer<uint8_t>(argmax_scratch_bytes(max_batch));
   KESTREL_CUDA_CHECK(cudaMemset(am, 0, argmax_scratch_bytes(max_batch)));
   argmax_ = argmax_scratch(am, max_batch);
@@ -235,7 +238,7 @@ void Decoder::gather_logits(int batch, cudaStream_t s) {
   KESTREL_CUDA_LAUNCHED();
 }
 
-void Decoder::step(int batch, cudaStream_t s, OpMarks* marks) {
+void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, bool sample) {
   if (batch < 1 || batch > max_batch_) fail("decode batch ", batch, " outside 1..", max_batch_);
   const ModelConfig& c = m_.config();
   const int H = int(c.hidden_size), hd = int(c.head_dim), nq = int(c.num_heads), nkv = int(c.num_kv_heads);
@@ -323,8 +326,13 @@ void Decoder::step(int batch, cudaStream_t s, OpMarks* marks) {
     gather_logits(batch, s);
     op("gather_logits", 2, 2 * act * double(c.vocab_size));
   }
-  launch_argmax(logits_, batch, int(c.vocab_size), next_, argmax_, s);
-  op("argmax", 1, act * double(c.vocab_size));
+  if (sample) {
+    launch_sample(logits_, batch, int(c.vocab_size), sample_params_, next_, s);
+    op("sample", 1, act * double(c.vocab_size));
+  } else {
+    launch_argmax(logits_, batch, int(c.vocab_size), next_, argmax_, s);
+    op("argmax", 1, act * double(c.vocab_size));
+  }
   launches_ = n;
 }
 
@@ -333,15 +341,15 @@ void Decoder::advance(int batch, cudaStream_t s) {
   KESTREL_CUDA_LAUNCHED();
 }
 
-void Decoder::step_graph(int batch, bool adv, cudaStream_t s) {
-  auto key = std::make_pair(batch, adv);
+void Decoder::step_graph(int batch, bool adv, cudaStream_t s, bool sample) {
+  auto key = std::make_tuple(batch, adv, sample);
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {
     if (s == nullptr) fail("internal: CUDA graphs need a stream other than the legacy default stream");
     cudaGraph_t g;
     KESTREL_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     try {
-      step(batch, s);
+      step(batch, s, nullptr, sample);
       if (adv) advance(batch, s);
     } catch (...) {
       cudaStreamEndCapture(s, &g);

@@ -19,6 +19,7 @@ GpuSlots::GpuSlots(const GpuModel& model, int slots, int context)
   });
   KESTREL_CUDA_CHECK(cudaSetDevice(0));
   KESTREL_CUDA_CHECK(cudaMallocHost(&logits_, size_t(slots) * size_t(vocab_) * 4));
+  KESTREL_CUDA_CHECK(cudaMallocHost(&drawn_, 2 * size_t(slots) * 4));
 }
 
 GpuSlots::~GpuSlots() {
@@ -30,6 +31,7 @@ GpuSlots::~GpuSlots() {
   } catch (const std::exception&) {
   }
   if (logits_) cudaFreeHost(logits_);
+  if (drawn_) cudaFreeHost(drawn_);
 }
 
 int GpuSlots::open(int64_t positions) {
@@ -67,6 +69,18 @@ void GpuSlots::run(std::span<const Job> jobs) {
   for (const Job& j : jobs)
     if (j.tokens.size() == 1) tokens[size_t(j.slot)] = j.tokens[0];
   const size_t V = size_t(vocab_);
+  // Jobs whose next token is drawn on the GPU (sample.h) rather than on the host. Only rank 0
+  // samples (the other ranks' next tokens are not read); rows that do not sample stay greedy.
+  auto on_gpu = [](const Job& j) { return j.logits && j.sample && !needs_history(j.sample->options); };
+  std::vector<SampleParams> params(static_cast<size_t>(rows));
+  bool sample = false;
+  for (const Job& j : jobs)
+    if (j.tokens.size() == 1 && on_gpu(j)) {
+      params[size_t(j.slot)] = sample_params(j.sample->options, j.sample->draw);
+      sample = true;
+    }
+  int32_t* const drawn_decode = drawn_;
+  int32_t* const drawn_prefill = drawn_ + used_.size();
   model_.each_rank([&](int r) {
     const cudaStream_t s = model_.stream(r);
     for (const Job* j : prefill) {  // every rank runs the same steps in the same order
@@ -78,8 +92,17 @@ void GpuSlots::run(std::span<const Job> jobs) {
       for (int i = 0; i < n; ++i) pos[i] = pos_[size_t(j->slot)] + i;
       KESTREL_CUDA_CHECK(cudaMemcpyAsync(p->tokens(), j->tokens.data(), size_t(n) * 4, cudaMemcpyHostToDevice, s));
       KESTREL_CUDA_CHECK(cudaMemcpyAsync(p->positions(), pos, size_t(n) * 4, cudaMemcpyHostToDevice, s));
-      p->step_graph(n, false, s);
-      if (r == 0 && j->logits)
+      const bool draw = r == 0 && on_gpu(*j);
+      if (draw) {  // the last row draws, the others stay greedy (pageable: staged before the call returns)
+        SampleParams pp[kPrefillChunk];
+        pp[n - 1] = sample_params(j->sample->options, j->sample->draw);
+        KESTREL_CUDA_CHECK(
+            cudaMemcpyAsync(p->sample_params(), pp, size_t(n) * sizeof(SampleParams), cudaMemcpyHostToDevice, s));
+      }
+      p->step_graph(n, false, s, draw);
+      if (draw)
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(drawn_prefill + j->slot, p->next() + (n - 1), 4, cudaMemcpyDeviceToHost, s));
+      else if (r == 0 && j->logits)
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits_ + size_t(j->slot) * V, p->logits() + size_t(n - 1) * V, V * 4,
                                            cudaMemcpyDeviceToHost, s));
     }
@@ -87,10 +110,16 @@ void GpuSlots::run(std::span<const Job> jobs) {
       Decoder& dec = *decs_[size_t(r)];
       KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.tokens(), tokens.data(), size_t(rows) * 4, cudaMemcpyHostToDevice, s));
       KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.positions(), positions.data(), size_t(rows) * 4, cudaMemcpyHostToDevice, s));
-      dec.step_graph(rows, false, s);
+      const bool draw = r == 0 && sample;
+      if (draw)
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.sample_params(), params.data(), size_t(rows) * sizeof(SampleParams),
+                                           cudaMemcpyHostToDevice, s));
+      dec.step_graph(rows, false, s, draw);
+      if (draw)
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(drawn_decode, dec.next(), size_t(rows) * 4, cudaMemcpyDeviceToHost, s));
       if (r == 0)
         for (const Job& j : jobs)
-          if (j.tokens.size() == 1 && j.logits)
+          if (j.tokens.size() == 1 && j.logits && !on_gpu(j))
             KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits_ + size_t(j.slot) * V, dec.logits() + size_t(j.slot) * V, V * 4,
                                                cudaMemcpyDeviceToHost, s));
     }
@@ -98,7 +127,8 @@ void GpuSlots::run(std::span<const Job> jobs) {
   });
   for (const Job& j : jobs) {
     pos_[size_t(j.slot)] += int32_t(j.tokens.size());
-    if (j.logits) std::memcpy(j.logits, logits_ + size_t(j.slot) * V, V * 4);
+    if (on_gpu(j)) *j.sample->token = (j.tokens.size() == 1 ? drawn_decode : drawn_prefill)[j.slot];
+    else if (j.logits) std::memcpy(j.logits, logits_ + size_t(j.slot) * V, V * 4);
   }
 }
 

@@ -1,8 +1,9 @@
 // The engine's sequences on the GPU (runtime/sequence_slots.h): slot i is row i of one batched
 // decoder (its own KV cache region); a step runs one token for every slot that decodes as one
 // CUDA graph replay (per GPU when split), and up to 8 prompt tokens for every slot that
-// prefills (a one-sequence decoder working in the slot's KV cache), then copies the logits back
-// for the host's samplers.
+// prefills (a one-sequence decoder working in the slot's KV cache). A job that offers to sample
+// with options the GPU can apply (no penalties) gets its token drawn inside the graph (sample.h)
+// and copied back (4 bytes); the others get their logits copied back for the host's samplers.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -37,6 +38,7 @@ class GpuSlots final : public SequenceSlots {
   std::vector<bool> used_;
   std::vector<int32_t> pos_;  // next position of each slot
   float* logits_ = nullptr;   // pinned [slots, vocab]
+  int32_t* drawn_ = nullptr;  // pinned [2, slots]: tokens drawn by the batched step, by prefill steps
   int64_t vocab_;
 };
 
