@@ -112,8 +112,8 @@ bench() {  # name, then kestrel bench arguments
   "$BUILD/src/kestrel" bench "$@" --json "$OUT/bench_$name.json" 2>>"$OUT/bench.txt" | tee -a "$OUT/bench.txt"
 }
 if [ -z "${SKIP_BENCH:-}" ]; then
-  bench qwen3-30b-a3b --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,2,4,8,32 --context 1024 --steps 50 --ops \
-    --plot "$OUT/ops_qwen3-30b-a3b.svg"
+  bench qwen3-30b-a3b --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,2,4,8,32,64 --context 1024 --steps 50 --ops \
+    --plot "$OUT/ops_qwen3-30b-a3b.svg" --prefill 512,4096
   KESTREL_MOE_GROUPED_MIN_BATCH=1000 bench qwen3-30b-a3b-moe-per-slot --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
     --batch 4,8,32 --context 1024 --steps 50
   KESTREL_MMA_MIN_BATCH=1 bench qwen3-30b-a3b-mma-b1 --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1 --context 1024 --steps 50
@@ -146,5 +146,5 @@ printf "tests: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$
 grep -h "random Qwen3" "$OUT/gpu_tests.log" || true
 grep "^cli:" "$OUT/cli.txt" || true
 [ -f "$OUT/allreduce.json" ] && cat "$OUT/allreduce.txt" || true
-[ -f "$OUT/bench.txt" ] && grep -E "^== |^ *(batch|[0-9])|^  [a-z_]+ +[0-9]|^  total|^  between ops|^  step \(graph\)|^extrapolated|^ *[a-z0-9.-]+ +B=" "$OUT/bench.txt" | grep -v "random weights" || true
+[ -f "$OUT/bench.txt" ] && grep -E "^== |^prefill|^ *tokens +ms|^ *(batch|[0-9])|^  [a-z_]+ +[0-9]|^  total|^  between ops|^  step \(graph\)|^extrapolated|^ *[a-z0-9.-]+ +B=" "$OUT/bench.txt" | grep -v "random weights" || true
 exit $tests_rc

@@ -46,17 +46,18 @@ Reply reply(Runner& runner, const text::Tokenizer& tok, const std::vector<int64_
   std::vector<float> logits;
   const auto t0 = clock::now();
   logits.resize(static_cast<size_t>(runner.vocab()));
-  runner.run(fresh, logits.data(), false);
+  // The device's own draw where it samples (the GPU), else -1 and the logits for the host's.
+  int32_t drawn = runner.run_sample(fresh, logits.data(), o.sampling, 0);
   r.prefill_s = std::chrono::duration<double>(clock::now() - t0).count();
   while (r.generated < o.max_tokens) {
-    const int32_t next = sampler.sample(logits, history, prompt_len);
+    const int32_t next = drawn >= 0 ? drawn : sampler.sample(logits, history, prompt_len);
     if (is_eos(next)) break;
     history.push_back(next);
     ++r.generated;
     out(stop.push(stream.push(next)));
     if (stop.stopped() || r.generated == o.max_tokens) break;
     const auto t = clock::now();
-    runner.run({&next, 1}, logits.data(), false);
+    drawn = runner.run_sample({&next, 1}, logits.data(), o.sampling, uint64_t(r.generated));
     r.ran.push_back(next);
     r.decode_s += std::chrono::duration<double>(clock::now() - t).count();
     ++r.decode_steps;

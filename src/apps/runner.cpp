@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include "backend/cuda/gpu_model.h"
+#include "backend/cuda/sample.h"
 #include "backend/cuda/session.h"
 #endif
 
@@ -53,6 +54,10 @@ class CudaRunner final : public Runner {
     session_ = std::make_unique<cuda::Session>(gpus_, int(capacity));
   }
   void run(std::span<const int32_t> tokens, float* logits, bool all) override { session_->run(tokens, logits, all); }
+  int32_t run_sample(std::span<const int32_t> tokens, float* logits, const SamplerOptions& o, uint64_t draw) override {
+    if (needs_history(o)) return Runner::run_sample(tokens, logits, o, draw);
+    return session_->run_sample(tokens, cuda::sample_params(o, draw));
+  }
   void reset() override { session_->reset(); }
   int64_t position() const override { return session_->position(); }
   int64_t vocab() const override { return gpus_.part(0).config().vocab_size; }

@@ -9,6 +9,7 @@
 
 #include "model/weights.h"
 #include "parallel/layout.h"
+#include "runtime/sampler.h"
 
 namespace kestrel::apps {
 
@@ -22,6 +23,14 @@ class Runner {
   // Runs `tokens` at the next positions: all at once on the CPU (prefill), one decode step per
   // token on the GPU. `logits` receives [tokens, vocab] if `all`, else the last token's [vocab].
   virtual void run(std::span<const int32_t> tokens, float* logits, bool all) = 0;
+  // Runs `tokens` like run(). Where the device draws the next token itself (the GPU, for options
+  // without penalties: see needs_history()), returns it, drawn as draw number `draw` of `o.seed`'s
+  // stream: the same distribution as Sampler's, a random stream of its own. Otherwise writes the
+  // last token's logits to `logits` and returns -1, for the host's Sampler.
+  virtual int32_t run_sample(std::span<const int32_t> tokens, float* logits, const SamplerOptions& o, uint64_t draw) {
+    run(tokens, logits, false);
+    return -1;
+  }
   // Forgets every position: the next run starts at position 0.
   virtual void reset() = 0;
   // Positions held; logits per token.

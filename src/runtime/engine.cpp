@@ -47,6 +47,8 @@ struct Engine::Sequence {
   int slot = -1;                 // in slots_, once started
   std::unique_ptr<Sampler> sampler;
   std::vector<float> logits;     // of the next token, after a step that produced them
+  SequenceSlots::Sample offer;   // the backend may draw the next token instead (no logprobs asked)
+  int32_t drawn = -1;            // what it drew, or -1
   std::vector<int32_t> history;  // prompt, then the generated tokens
   size_t prefilled = 0;          // prompt tokens already run
   int generated = 0;
@@ -217,6 +219,13 @@ void Engine::step_all() {
     if (s.prefilled + n == s.req.prompt.size()) {  // this step gives the next token's logits
       s.logits.resize(size_t(V));
       j.logits = s.logits.data();
+      s.drawn = -1;
+      if (s.req.top_logprobs < 0) {  // log-probabilities need the logits on the host
+        s.offer.options = s.req.sampling;
+        s.offer.draw = uint64_t(s.generated);
+        s.offer.token = &s.drawn;
+        j.sample = &s.offer;
+      }
     }
     jobs.push_back(j);
     seqs.push_back(&s);
@@ -232,15 +241,16 @@ void Engine::step_all() {
   for (size_t i = 0; i < jobs.size(); ++i) {
     Sequence& s = *seqs[i];
     s.prefilled += ran[i];
-    if (jobs[i].logits) emit(s, s.logits);
+    if (jobs[i].logits) emit(s, s.drawn);
   }
 }
 
-void Engine::emit(Sequence& s, const std::vector<float>& logits) {
+void Engine::emit(Sequence& s, int32_t drawn) {
   const int64_t V = model_.config.vocab_size;
+  const std::vector<float>& logits = s.logits;
   TokenEvent e;
   e.index = s.index;
-  e.token = s.sampler->sample(logits, s.history, s.req.prompt.size());
+  e.token = drawn >= 0 ? drawn : s.sampler->sample(logits, s.history, s.req.prompt.size());
   if (s.req.top_logprobs >= 0) {
     // log-softmax of the raw logits (what the model assigns, before sampling settings).
     const float mx = *std::max_element(logits.begin(), logits.end());

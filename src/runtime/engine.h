@@ -6,7 +6,9 @@
 // together and streamed through one RequestStream. Every step advances every running sequence
 // (sequence_slots.h: one after another on the CPU, one batched decode step on the GPU); each has
 // its own KV cache and sampler, so a request yields the same tokens alone or among many (on the
-// GPU to rounding).
+// GPU to rounding). A backend that samples itself (the GPU, for requests without penalties or
+// log-probabilities) draws from the same distribution as the host's sampler with a random stream
+// of its own, so a seeded request is reproducible on one backend, not across them.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -146,8 +148,9 @@ class Engine {
   void loop();
   // One step of every running sequence: the next prompt chunk or the last sampled token.
   void step_all();
-  // After a step that produced the sequence's next-token logits: sample, stream, finish.
-  void emit(Sequence& s, const std::vector<float>& logits);
+  // After a step that produced the sequence's next token: `drawn` when the backend sampled it
+  // (SequenceSlots::Sample), else -1 and the host samples from the logits; stream, finish.
+  void emit(Sequence& s, int32_t drawn);
   // Sends the end event and frees the sequence's KV positions (`locked`: mu_ is held).
   void finish(Sequence& s, Finish f, const std::string& error = "", bool locked = false);
 

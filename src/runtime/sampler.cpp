@@ -22,6 +22,10 @@ void check_sampler_options(const SamplerOptions& o) {
     fail("--frequency-penalty: must be in [-2, 2], got ", o.frequency_penalty);
 }
 
+bool needs_history(const SamplerOptions& o) {
+  return o.repetition_penalty != 1.0f || o.presence_penalty != 0.0f || o.frequency_penalty != 0.0f;
+}
+
 void apply_presence_frequency_penalty(std::span<float> logits, std::span<const int32_t> generated, float presence,
                                       float frequency) {
   if (presence == 0.0f && frequency == 0.0f) return;

@@ -25,6 +25,10 @@ struct SamplerOptions {
 // Fails (kestrel::Error) naming the option when a value is out of range.
 void check_sampler_options(const SamplerOptions& o);
 
+// Whether sampling with `o` looks at the sequence's tokens (a repetition, presence or frequency
+// penalty): only the host sampler applies those, so a backend that samples itself declines them.
+bool needs_history(const SamplerOptions& o);
+
 // Logits of tokens in `history` divided by `penalty` when positive, multiplied when negative.
 void apply_repetition_penalty(std::span<float> logits, std::span<const int32_t> history, float penalty);
 

@@ -12,6 +12,7 @@
 #include "common/thread_pool.h"
 #include "model/weights.h"
 #include "parallel/layout.h"
+#include "runtime/sampler.h"
 
 namespace kestrel {
 
@@ -24,10 +25,22 @@ class SequenceSlots {
   virtual int open(int64_t positions) = 0;
   virtual void close(int slot) = 0;
 
+  // An offer to draw the next token on the backend, from the last token's logits, instead of
+  // handing the logits back. A backend that takes it writes *token and leaves Job::logits as it
+  // was; one that does not (the CPU backend: it holds the logits in memory already; the GPU for
+  // options with penalties, see needs_history()) leaves *token alone and writes the logits. The
+  // GPU draws from the distribution the host's Sampler draws from, with a random stream of its
+  // own (backend/cuda/sample.h): reproducible per seed on the GPU, other tokens than the host's.
+  struct Sample {
+    SamplerOptions options;
+    uint64_t draw = 0;         // the draw's index in the seed's stream: tokens generated so far
+    int32_t* token = nullptr;  // receives the token
+  };
   struct Job {
     int slot = -1;
     std::span<const int32_t> tokens;  // 1 .. max_chunk() tokens at the slot's next positions
     float* logits = nullptr;          // receives the last token's logits [vocab] unless null
+    const Sample* sample = nullptr;   // with logits: the backend may sample instead
   };
   virtual void run(std::span<const Job> jobs) = 0;
   virtual std::string describe() const = 0;  // "cpu, 2 threads" or "cuda, ..."

@@ -1,15 +1,21 @@
 // The server's engine on the GPU: requests decoding side by side in one batched step per token
 // and prefilling up to 64 prompt tokens per step in their own KV blocks (backend/cuda/gpu_slots.h),
-// unsplit and split over every GPU, give the tokens the CPU engine gives each of them: with a
-// pool of a whole context per sequence, with a pool so small that requests wait for blocks and
-// take the ones others gave back, and sixteen sequences at once.
+// unsplit and split over every GPU, give the tokens the CPU engine gives each of them (greedy
+// ones drawn on the GPU, sampled ones on the host): with a pool of a whole context per sequence,
+// with a pool so small that requests wait for blocks and take the ones others gave back, and
+// sixteen sequences at once. Tokens sampled on the GPU are the draws their seeds and counters
+// give from the CPU's distribution.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
 
+#include <cmath>
+
 #include "../unit/fixture.h"
+#include "backend/cpu/forward.h"
 #include "backend/cuda/gpu_model.h"
 #include "backend/cuda/gpu_slots.h"
+#include "backend/cuda/philox.h"
 #include "runtime/engine.h"
 
 namespace kestrel {
@@ -32,9 +38,13 @@ std::vector<GenerationRequest> requests(int count) {
     for (int t = 0; t < 3 + (5 * i) % 45; ++t) r.prompt.push_back(int32_t((17 * i + 5 * t + 1) % 256));
     r.max_tokens = 6 + i % 10;
     r.ignore_eos = true;
-    if (i % 2) {  // seeded sampling on the host, from the GPU's logits
+    // Odd: seeded sampling on the host, from the GPU's logits (a penalty or log-probabilities
+    // keep it there); even: greedy, the argmax drawn on the GPU.
+    if (i % 2) {
       r.sampling.temperature = 0.8f;
       r.sampling.seed = uint64_t(100 + i);
+      if (i % 4 == 1) r.sampling.repetition_penalty = 1.1f;
+      else r.top_logprobs = 1;
     }
     rs.push_back(r);
   }
@@ -130,6 +140,71 @@ TEST(CudaServe, SlotsAndPoolLimitsAreNamed) {
   slots.close(0);
   EXPECT_EQ(slots.open(32), 0);
   EXPECT_THROW(slots.open(65), Error);  // longer than the context
+}
+
+// Requests sampled on the GPU (no penalty, no log-probabilities), through the prefill decoder
+// (prompts of 12 and 3 tokens) and the batched step (a prompt of 1 token, every later token):
+// replayed token by token on the CPU reference, each token is the inverse CDF, in id order, of
+// the host's distribution at the draw's Philox number (seed of its choice, counter = tokens
+// generated before it), unless that number lies within 1e-3 of the token's interval (the GPU's
+// logits differ from the CPU's by rounding).
+TEST(CudaServe, GpuSampledTokensAreTheirDraws) {
+  auto model = load_model(test::fixture_dir("qwen3moe-nvfp4"));
+  const size_t V = size_t(model->config.vocab_size);
+  EngineOptions o;
+  o.max_batch = 4;
+  o.context = 64;
+  o.threads = 2;
+  std::vector<GenerationRequest> rs(3);
+  rs[0].prompt = {3, 9, 27, 81, 243, 7, 21, 63, 189, 55, 11, 33};
+  rs[0].sampling = {.temperature = 3.0f, .seed = 11};
+  rs[0].n = 2;
+  rs[1].prompt = {5, 25, 125};
+  rs[1].sampling = {.temperature = 2.5f, .top_k = 30, .top_p = 0.95f, .min_p = 0.02f, .seed = 12};
+  rs[2].prompt = {77};
+  rs[2].sampling = {.temperature = 4.0f, .seed = 13};
+  for (auto& r : rs) {
+    r.max_tokens = 8;
+    r.ignore_eos = true;
+  }
+  cuda::GpuModel on_gpu(*model, Layout{1, 1});
+  auto gpu = gpu_engine(*model, o, on_gpu, 0);
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (const auto& r : rs) streams.push_back(gpu->submit(r));
+  ThreadPool pool(2);
+  cpu::Forward fwd(*model, pool);
+  int exact = 0, near = 0;
+  for (size_t q = 0; q < rs.size(); ++q) {
+    std::vector<std::vector<int32_t>> choices(size_t(rs[q].n));
+    TokenEvent e;
+    while (streams[q]->next(e))
+      if (e.finish == Finish::None) choices.at(size_t(e.index)).push_back(e.token);
+    for (int c = 0; c < rs[q].n; ++c) {
+      SCOPED_TRACE(cat("request ", q, " choice ", c));
+      const std::vector<int32_t>& got = choices[size_t(c)];
+      ASSERT_EQ(got.size(), 8u);
+      SamplerOptions so = rs[q].sampling;
+      so.seed = choice_seed(rs[q].sampling.seed, c);
+      KvCache cache = fwd.make_cache(o.context);
+      std::vector<float> logits(V);
+      for (int32_t t : rs[q].prompt) fwd.run({&t, 1}, cache, logits.data());
+      for (size_t k = 0; k < got.size(); ++k) {
+        const std::vector<float> p = sampling_distribution(logits, so);
+        const double u = std::ldexp(double(cuda::sample_bits(so.seed, k)), -64);
+        double before = 0;
+        for (int32_t i = 0; i < got[k]; ++i) before += p[size_t(i)];
+        const double through = before + p[size_t(got[k])];
+        if (before <= u && u < through) ++exact;
+        else if (u >= before - 1e-3 && u < through + 1e-3) ++near;
+        else ADD_FAILURE() << "token " << k << " is " << got[k] << " (host mass " << before << " .. " << through
+                           << "), its draw's number " << u;
+        fwd.run({&got[k], 1}, cache, logits.data());
+      }
+    }
+  }
+  std::printf("  %d GPU-sampled tokens the host's inverse CDF at their numbers, %d within 1e-3 of it\n", exact, near);
+  EXPECT_GE(exact, 24);
+  gpu->shutdown(1.0);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // The server's engine loop on a fixture model: a request gives the same tokens alone or among
 // many (greedy and seeded sampling), prompts longer than a prefill chunk, cancellation frees the
 // KV positions, admission waits for room and refuses what can never fit, shutdown ends streams;
-// requests of n choices (seeds per choice, admitted together, cancelled together).
+// requests of n choices (seeds per choice, admitted together, cancelled together); a backend that
+// samples itself.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -324,6 +325,81 @@ TEST_F(EngineTest, CancelEndsEveryChoice) {
   EXPECT_EQ(e.stats().kv_used, 0);
   EXPECT_TRUE(cancel_after_one_token(1)) << "200 tokens finished before the cancel in all 5 attempts";
   EXPECT_EQ(e.stats().kv_used, 0);
+}
+
+// A backend that samples itself (as the GPU does): the CPU slots, taking every offer to draw
+// the next token (except those needing the history, as the GPU) and answering with a token
+// derived from the draw's index, and noting what it was offered.
+class SamplingSlots final : public SequenceSlots {
+ public:
+  SamplingSlots(const Model& m, int slots)
+      : inner_(make_cpu_slots(m, slots, 1, {}, 4096)), vocab_(size_t(m.config.vocab_size)) {}
+  int slots() const override { return inner_->slots(); }
+  int64_t max_chunk() const override { return inner_->max_chunk(); }
+  int open(int64_t positions) override { return inner_->open(positions); }
+  void close(int slot) override { inner_->close(slot); }
+  void run(std::span<const Job> jobs) override {
+    std::vector<Job> js(jobs.begin(), jobs.end());
+    std::vector<float> scratch(js.size() * vocab_);
+    for (size_t i = 0; i < js.size(); ++i)
+      if (js[i].sample && !needs_history(js[i].sample->options)) {
+        offers.push_back(*js[i].sample);
+        *js[i].sample->token = drawn(js[i].sample->draw);
+        js[i].logits = scratch.data() + i * vocab_;  // a sampling backend leaves the caller's logits alone
+      }
+    inner_->run(js);
+  }
+  std::string describe() const override { return "sampling " + inner_->describe(); }
+  static int32_t drawn(uint64_t draw) { return int32_t(40 + 3 * draw); }
+  std::vector<Sample> offers;  // taken, in order
+
+ private:
+  std::unique_ptr<SequenceSlots> inner_;
+  size_t vocab_;
+};
+
+// The engine offers the backend each draw of a request that asks for no log-probabilities (its
+// options and the draw's index, counting the sequence's tokens) and streams the token the
+// backend drew; a request with log-probabilities, or one the backend declines (penalties),
+// samples on the host as before.
+TEST_F(EngineTest, BackendSamplingWhereTheBackendTakesIt) {
+  EngineOptions o;
+  o.max_batch = 2;
+  o.context = 64;
+  o.prefill_chunk = 4;
+  o.threads = 1;
+  auto slots = std::make_unique<SamplingSlots>(*model_, o.max_batch);
+  SamplingSlots* backend = slots.get();
+  Engine e(*model_, o, std::move(slots));
+  GenerationRequest offered = request({3, 17, 5, 9, 11, 2}, 5, 0.7f, 9);  // a prompt of two chunks
+  offered.sampling.top_k = 20;
+  offered.sampling.top_p = 0.9f;
+  offered.sampling.min_p = 0.05f;
+  const Result got = drain(*e.submit(offered));
+  EXPECT_EQ(got.tokens, (std::vector<int32_t>{40, 43, 46, 49, 52}));
+  ASSERT_EQ(backend->offers.size(), 5u);
+  for (size_t i = 0; i < backend->offers.size(); ++i) {
+    const SequenceSlots::Sample& s = backend->offers[i];
+    EXPECT_EQ(s.draw, i);
+    EXPECT_EQ(s.options.temperature, 0.7f);
+    EXPECT_EQ(s.options.top_k, 20);
+    EXPECT_EQ(s.options.top_p, 0.9f);
+    EXPECT_EQ(s.options.min_p, 0.05f);
+    EXPECT_EQ(s.options.seed, 9u);
+  }
+
+  // Declined or never offered: the tokens of the CPU engine, which samples on the host.
+  GenerationRequest logprobs = request({3, 17, 5, 9}, 4, 0.9f, 5);
+  logprobs.top_logprobs = 1;
+  GenerationRequest penalized = request({3, 17, 5, 9}, 4, 0.9f, 6);
+  penalized.sampling.repetition_penalty = 1.2f;
+  backend->offers.clear();
+  const Result a = drain(*e.submit(logprobs)), b = drain(*e.submit(penalized));
+  EXPECT_TRUE(backend->offers.empty());
+  Engine cpu(*model_, o);
+  EXPECT_EQ(a.tokens, drain(*cpu.submit(logprobs)).tokens);
+  EXPECT_EQ(b.tokens, drain(*cpu.submit(penalized)).tokens);
+  EXPECT_EQ(a.tokens.size(), 4u);
 }
 
 }  // namespace

@@ -169,6 +169,9 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
   tokens_ = buffer<int32_t>(B);
   positions_ = buffer<int32_t>(B);
   next_ = buffer<int32_t>(B);
+  sample_params_ = buffer<SampleParams>(B);
+  const std::vector<SampleParams> greedy(B);
+  KESTREL_CUDA_CHECK(cudaMemcpy(sample_params_, greedy.data(), B * sizeof(SampleParams), cudaMemcpyHostToDevice));
   uint8_t* am = buffer<uint8_t>(argmax_scratch_bytes(max_batch));
   KESTREL_CUDA_CHECK(cudaMemset(am, 0, argmax_scratch_bytes(max_batch)));
   argmax_ = argmax_scratch(am, max_batch);
@@ -313,7 +316,7 @@ void Decoder::gather_logits(int rows, int first, cudaStream_t s) {
   KESTREL_CUDA_LAUNCHED();
 }
 
-void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, Logits rows) {
+void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, Logits rows, bool sample) {
   if (batch < 1 || batch > max_batch_) fail("decode batch ", batch, " outside 1..", max_batch_);
   if (rows == Logits::Last && !one_sequence_) fail("internal: last-row logits are for one-sequence decoders");
   const ModelConfig& c = m_.config();
@@ -407,8 +410,13 @@ void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, Logits rows) {
     gather_logits(head_rows, first, s);
     op("gather_logits", 2, 2 * hact * double(c.vocab_size));
   }
-  launch_argmax(logits_ + size_t(first) * V, head_rows, int(c.vocab_size), next_ + first, argmax_, s);
-  op("argmax", 1, hact * double(c.vocab_size));
+  if (sample) {
+    launch_sample(logits_ + size_t(first) * V, head_rows, int(c.vocab_size), sample_params_ + first, next_ + first, s);
+    op("sample", 1, hact * double(c.vocab_size));
+  } else {
+    launch_argmax(logits_ + size_t(first) * V, head_rows, int(c.vocab_size), next_ + first, argmax_, s);
+    op("argmax", 1, hact * double(c.vocab_size));
+  }
   launches_ = n;
 }
 
@@ -417,15 +425,15 @@ void Decoder::advance(int batch, cudaStream_t s) {
   KESTREL_CUDA_LAUNCHED();
 }
 
-void Decoder::step_graph(int batch, bool adv, cudaStream_t s, Logits rows) {
-  const auto key = std::make_tuple(batch, adv, rows);
+void Decoder::step_graph(int batch, bool adv, cudaStream_t s, Logits rows, bool sample) {
+  const auto key = std::make_tuple(batch, adv, rows, sample);
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {
     if (s == nullptr) fail("internal: CUDA graphs need a stream other than the legacy default stream");
     cudaGraph_t g;
     KESTREL_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     try {
-      step(batch, s, nullptr, rows);
+      step(batch, s, nullptr, rows, sample);
       if (adv) advance(batch, s);
     } catch (...) {
       cudaStreamEndCapture(s, &g);

@@ -1,7 +1,8 @@
 // One decode step on the GPU for a batch of sequences: embedding, every layer, the LM head and
-// greedy sampling, all on one stream with no host synchronization, so that the whole step is
-// captured once per batch size as a CUDA graph and replayed. Each replay also advances
-// tokens (to the sampled ones) and positions, so replays generate tokens back to back.
+// greedy sampling (or, when asked, sampling with per-row parameters: sample.h), all on one stream
+// with no host synchronization, so that the whole step is captured once per batch size as a
+// CUDA graph and replayed. Each replay also advances tokens (to the sampled ones) and positions,
+// so replays generate tokens back to back.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -15,6 +16,7 @@
 #include "backend/cuda/misc.h"
 #include "backend/cuda/norm_rope.h"
 #include "backend/cuda/op_timer.h"
+#include "backend/cuda/sample.h"
 #include "parallel/communicator.h"
 
 namespace kestrel::cuda {
@@ -60,7 +62,11 @@ class Decoder {
   // Inputs: token and position of each sequence (device arrays of max_batch entries).
   int32_t* tokens() { return tokens_; }
   int32_t* positions() { return positions_; }
-  // Outputs of the last step: logits [batch, vocab] and greedy next tokens [batch].
+  // Sampling parameters of each row (device array of max_batch entries), read by steps that
+  // sample; the caller fills them before the step (a graph replay reads them then).
+  SampleParams* sample_params() { return sample_params_; }
+  // Outputs of the last step: logits [batch, vocab] and next tokens [batch] (greedy, or drawn
+  // with sample_params() by a step that samples).
   const float* logits() const { return logits_; }
   const int32_t* next() const { return next_; }
 
@@ -70,10 +76,12 @@ class Decoder {
   enum class Logits { All, Last };
   // Enqueues one step (kernels launched one by one) on the stream. With marks, each op is
   // reported as it is enqueued (OpTimer: an event after every op; OpGraph: during a capture).
-  void step(int batch, cudaStream_t s, OpMarks* marks = nullptr, Logits rows = Logits::All);
+  // With `sample`, the step ends with launch_sample over sample_params() (for the rows that get
+  // logits) instead of the argmax.
+  void step(int batch, cudaStream_t s, OpMarks* marks = nullptr, Logits rows = Logits::All, bool sample = false);
   // The same step through the CUDA graph for this batch size (captured on first use); when
   // `advance`, the graph ends by copying next -> tokens and incrementing positions.
-  void step_graph(int batch, bool advance, cudaStream_t s, Logits rows = Logits::All);
+  void step_graph(int batch, bool advance, cudaStream_t s, Logits rows = Logits::All, bool sample = false);
   // Kernel launches in one step (for the report).
   int launches_per_step() const { return launches_; }
 
@@ -135,9 +143,10 @@ class Decoder {
     int32_t *select = nullptr, *select_count = nullptr;
   } mla_;
   int32_t *tokens_, *positions_, *next_;
+  SampleParams* sample_params_;
   MoeScratch moe_;
   ArgmaxScratch argmax_;
-  std::map<std::tuple<int, bool, Logits>, cudaGraphExec_t> graphs_;
+  std::map<std::tuple<int, bool, Logits, bool>, cudaGraphExec_t> graphs_;  // (batch, advance, rows, sample)
 };
 
 }  // namespace kestrel::cuda

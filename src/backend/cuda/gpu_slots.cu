@@ -60,6 +60,7 @@ GpuSlots::GpuSlots(const GpuModel& model, int slots, int context, int64_t kv_pos
   });
   KESTREL_CUDA_CHECK(cudaSetDevice(0));
   KESTREL_CUDA_CHECK(cudaMallocHost(&logits_, size_t(slots) * size_t(vocab_) * 4));
+  KESTREL_CUDA_CHECK(cudaMallocHost(&drawn_, 2 * size_t(slots) * 4));
 }
 
 GpuSlots::~GpuSlots() {
@@ -71,6 +72,7 @@ GpuSlots::~GpuSlots() {
   } catch (const std::exception&) {
   }
   if (logits_) cudaFreeHost(logits_);
+  if (drawn_) cudaFreeHost(drawn_);
 }
 
 std::string GpuSlots::kv_summary() const {
@@ -120,6 +122,18 @@ void GpuSlots::run(std::span<const Job> jobs) {
     if (j.tokens.size() == 1) tokens[size_t(j.slot)] = j.tokens[0];
   const std::vector<int> changed = tables_.changed();
   const size_t V = size_t(vocab_);
+  // Jobs whose next token is drawn on the GPU (sample.h) rather than on the host. Only rank 0
+  // samples (the other ranks' next tokens are not read); rows that do not sample stay greedy.
+  auto on_gpu = [](const Job& j) { return j.logits && j.sample && !needs_history(j.sample->options); };
+  std::vector<SampleParams> params(static_cast<size_t>(rows));
+  bool sample = false;
+  for (const Job& j : jobs)
+    if (j.tokens.size() == 1 && on_gpu(j)) {
+      params[size_t(j.slot)] = sample_params(j.sample->options, j.sample->draw);
+      sample = true;
+    }
+  int32_t* const drawn_decode = drawn_;
+  int32_t* const drawn_prefill = drawn_ + size_t(slots());
   model_.each_rank([&](int r) {
     const cudaStream_t s = model_.stream(r);
     Decoder& dec = *decs_[size_t(r)];
@@ -134,18 +148,34 @@ void GpuSlots::run(std::span<const Job> jobs) {
       for (int i = 0; i < n; ++i) pos[i] = pos_[size_t(j->slot)] + i;
       KESTREL_CUDA_CHECK(cudaMemcpyAsync(p.tokens(), j->tokens.data(), size_t(n) * 4, cudaMemcpyHostToDevice, s));
       KESTREL_CUDA_CHECK(cudaMemcpyAsync(p.positions(), pos, size_t(n) * 4, cudaMemcpyHostToDevice, s));
-      p.step_graph(n, false, s, Decoder::Logits::Last);  // only the last position's logits are read
-      if (r == 0 && j->logits)
+      // Only the last position's logits are made; with an offer the GPU takes, its token is drawn
+      // from them (pageable parameters: staged before the call returns).
+      const bool draw = r == 0 && on_gpu(*j);
+      if (draw) {
+        const SampleParams pp = sample_params(j->sample->options, j->sample->draw);
+        KESTREL_CUDA_CHECK(
+            cudaMemcpyAsync(p.sample_params() + (n - 1), &pp, sizeof(SampleParams), cudaMemcpyHostToDevice, s));
+      }
+      p.step_graph(n, false, s, Decoder::Logits::Last, draw);
+      if (draw)
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(drawn_prefill + j->slot, p.next() + (n - 1), 4, cudaMemcpyDeviceToHost, s));
+      else if (r == 0 && j->logits)
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits_ + size_t(j->slot) * V, p.logits() + size_t(n - 1) * V, V * 4,
                                            cudaMemcpyDeviceToHost, s));
     }
     if (rows > 0) {
       KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.tokens(), tokens.data(), size_t(rows) * 4, cudaMemcpyHostToDevice, s));
       KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.positions(), positions.data(), size_t(rows) * 4, cudaMemcpyHostToDevice, s));
-      dec.step_graph(rows, false, s);
+      const bool draw = r == 0 && sample;
+      if (draw)
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.sample_params(), params.data(), size_t(rows) * sizeof(SampleParams),
+                                           cudaMemcpyHostToDevice, s));
+      dec.step_graph(rows, false, s, Decoder::Logits::All, draw);
+      if (draw)
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(drawn_decode, dec.next(), size_t(rows) * 4, cudaMemcpyDeviceToHost, s));
       if (r == 0)
         for (const Job& j : jobs)
-          if (j.tokens.size() == 1 && j.logits)
+          if (j.tokens.size() == 1 && j.logits && !on_gpu(j))
             KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits_ + size_t(j.slot) * V, dec.logits() + size_t(j.slot) * V, V * 4,
                                                cudaMemcpyDeviceToHost, s));
     }
@@ -154,7 +184,8 @@ void GpuSlots::run(std::span<const Job> jobs) {
   tables_.clear_changed();  // only once every rank has them (a failed run sends them again)
   for (const Job& j : jobs) {
     pos_[size_t(j.slot)] += int32_t(j.tokens.size());
-    if (j.logits) std::memcpy(j.logits, logits_ + size_t(j.slot) * V, V * 4);
+    if (on_gpu(j)) *j.sample->token = (j.tokens.size() == 1 ? drawn_decode : drawn_prefill)[j.slot];
+    else if (j.logits) std::memcpy(j.logits, logits_ + size_t(j.slot) * V, V * 4);
   }
 }
 

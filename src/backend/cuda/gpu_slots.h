@@ -1,7 +1,9 @@
 // The engine's sequences on the GPU (runtime/sequence_slots.h): slot i is row i of one batched
 // decoder; a step runs one token for every slot that decodes as one CUDA graph replay (per GPU
 // when split), and up to 64 prompt tokens for every slot that prefills (one one-sequence decoder
-// per GPU, working in the slot's blocks), then copies the logits back for the host's samplers.
+// per GPU, working in the slot's blocks). A job that offers to sample with options the GPU can
+// apply (no penalties) gets its token drawn inside the graph (sample.h) and copied back (4
+// bytes); the others get their logits copied back for the host's samplers.
 // The KV cache is one pool of blocks of 16 positions per GPU that the slots share: a sequence
 // holds the blocks of the positions it reserved (kv_block_tables.h), not a whole context.
 #pragma once
@@ -50,6 +52,7 @@ class GpuSlots final : public SequenceSlots {
   std::vector<std::unique_ptr<Decoder>> prefill_;  // per rank: one slot's prompt, in the slot's blocks
   std::vector<int32_t> pos_;  // next position of each slot
   float* logits_ = nullptr;   // pinned [slots, vocab]
+  int32_t* drawn_ = nullptr;  // pinned [2, slots]: tokens drawn by the batched step, by prefill steps
   int64_t vocab_;
   size_t kv_bytes_ = 0;
 };

@@ -50,10 +50,23 @@ void Session::run(std::span<const int32_t> tokens, float* logits, bool all) {
   pos_ += int(tokens.size());
 }
 
-void Session::run_rank(int rank, std::span<const int32_t> tokens, float* logits, bool all) {
+int32_t Session::run_sample(std::span<const int32_t> tokens, const SampleParams& params) {
+  if (tokens.empty()) fail("internal: sampling needs at least one token to run");
+  if (pos_ + int64_t(tokens.size()) > decs_[0]->max_context())
+    fail("the sequence would hold ", pos_ + int64_t(tokens.size()), " tokens, more than its context of ",
+         decs_[0]->max_context());
+  int32_t token = -1;
+  if (gpus_) gpus_->each_rank([&](int r) { run_rank(r, tokens, nullptr, false, &params, &token); });
+  else run_rank(0, tokens, nullptr, false, &params, &token);
+  pos_ += int(tokens.size());
+  return token;
+}
+
+void Session::run_rank(int rank, std::span<const int32_t> tokens, float* logits, bool all, const SampleParams* sample,
+                       int32_t* token) {
   Decoder& dec = *decs_[size_t(rank)];
   const cudaStream_t stream = streams_[size_t(rank)];
-  if (rank > 0) logits = nullptr;
+  if (rank > 0) logits = nullptr, sample = nullptr;  // rank 0 hands out the results
   int pos = pos_;
   // Every rank runs the same steps (their collectives pair up), so the rows that get logits
   // follow `all`, not whether this rank copies them out.
@@ -61,12 +74,17 @@ void Session::run_rank(int rank, std::span<const int32_t> tokens, float* logits,
   std::vector<int32_t> p(static_cast<size_t>(chunk_));
   for (size_t i = 0; i < tokens.size(); i += size_t(chunk_)) {
     const int n = int(std::min<size_t>(size_t(chunk_), tokens.size() - i));
+    const bool draw = sample && i + size_t(n) == tokens.size();  // the last token's row draws
     for (int b = 0; b < n; ++b) p[size_t(b)] = pos + b;
     // Pageable sources: the copies complete (staged) before these calls return.
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.tokens(), tokens.data() + i, size_t(n) * 4, cudaMemcpyHostToDevice, stream));
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.positions(), p.data(), size_t(n) * 4, cudaMemcpyHostToDevice, stream));
-    dec.step_graph(n, false, stream, rows);
+    if (draw)  // the other rows stay greedy
+      KESTREL_CUDA_CHECK(
+          cudaMemcpyAsync(dec.sample_params() + (n - 1), sample, sizeof(SampleParams), cudaMemcpyHostToDevice, stream));
+    dec.step_graph(n, false, stream, rows, draw);
     pos += n;
+    if (draw) KESTREL_CUDA_CHECK(cudaMemcpyAsync(token, dec.next() + (n - 1), 4, cudaMemcpyDeviceToHost, stream));
     if (!logits) continue;
     if (all) {
       KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits + int64_t(i) * vocab_, dec.logits(), size_t(n) * size_t(vocab_) * 4,
