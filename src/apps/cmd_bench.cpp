@@ -106,7 +106,7 @@ std::vector<BarRow> print_event_ops(cuda::Decoder& dec, const ModelConfig& c, in
     for (const auto& o : ops) {
       auto it = std::find_if(rows.begin(), rows.end(), [&](const OpRow& r) { return r.name == o.name; });
       if (it == rows.end()) {
-        rows.push_back({o.name});
+        rows.push_back(OpRow{o.name, 0, 0.0, {}});
         step_ms.push_back(0.0);
         it = rows.end() - 1;
       }
