@@ -23,6 +23,18 @@ inline bool pdl_enabled() {
   return on;
 }
 
+// Streaming multiprocessors of the current device (the first call's device: the GPUs of one
+// split model are alike). Grids are sized against it.
+inline int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    KESTREL_CUDA_CHECK(cudaGetDevice(&dev));
+    KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
 // Every kernel launched through launch() calls this before it touches memory that another
 // kernel writes or reads (anything but weights): it waits for the previous kernel, then lets the
 // next one start. Without PDL both instructions are no-ops. Waiting before triggering keeps at

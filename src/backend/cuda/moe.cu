@@ -401,16 +401,6 @@ int grouped_min_batch() {
   return v;
 }
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    KESTREL_CUDA_CHECK(cudaGetDevice(&dev));
-    KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    return v;
-  }();
-  return n;
-}
-
 bool on_tensor_cores(const DLinear& w) {
   return (w.format == DFormat::NVFP4 || w.format == DFormat::BF16) && w.in % 64 == 0;
 }
