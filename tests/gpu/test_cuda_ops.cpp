@@ -6,6 +6,7 @@
 #include <iterator>
 #include <numeric>
 #include <random>
+#include <string>
 
 #include "backend/cpu/attention.h"
 #include "backend/cpu/mla.h"
@@ -121,7 +122,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(LinearCase{WeightFormat::NVFP4, 64, 16, 1}, LinearCase{WeightFormat::NVFP4, 300, 2048, 1},
                       LinearCase{WeightFormat::NVFP4, 129, 784, 3}, LinearCase{WeightFormat::NVFP4, 512, 1536, 8},
                       LinearCase{WeightFormat::NVFP4, 77, 4096, 11}, LinearCase{WeightFormat::BF16, 300, 2048, 1},
-                      // Tensor-core path (2..8 tokens, K % 64 == 0), tiles of 16 rows cut by the matrix end.
+                      // Tensor-core path (NVFP4 from 2 tokens, BF16 from 1, K % 64 == 0), tiles of 16 rows
+                      // cut by the matrix end.
                       LinearCase{WeightFormat::NVFP4, 200, 2048, 4}, LinearCase{WeightFormat::NVFP4, 45, 192, 7},
                       LinearCase{WeightFormat::NVFP4, 16, 64, 2}, LinearCase{WeightFormat::NVFP4, 1000, 4096, 8},
                       LinearCase{WeightFormat::BF16, 200, 2048, 4}, LinearCase{WeightFormat::BF16, 45, 192, 8},
@@ -135,7 +137,9 @@ INSTANTIATE_TEST_SUITE_P(
                       LinearCase{WeightFormat::NVFP4, 200, 2048, 9}, LinearCase{WeightFormat::NVFP4, 45, 192, 16},
                       LinearCase{WeightFormat::NVFP4, 129, 4096, 27}, LinearCase{WeightFormat::NVFP4, 300, 1024, 64},
                       LinearCase{WeightFormat::NVFP4, 77, 256, 70}, LinearCase{WeightFormat::BF16, 129, 776, 40},
-                      LinearCase{WeightFormat::BF16, 33, 128, 129}));
+                      LinearCase{WeightFormat::BF16, 33, 128, 129},
+                      // Tall enough to keep 8 groups in one block row (small ones spread them over more).
+                      LinearCase{WeightFormat::NVFP4, 20000, 128, 64}, LinearCase{WeightFormat::BF16, 17000, 64, 40}));
 
 TEST(CudaOps, ThreeJobsInOneLaunch) {
   std::mt19937 rng(7);
@@ -342,16 +346,34 @@ TEST(CudaOps, MoeMatchesCpu) {
   }
 }
 
-// The split of decode attention covers every position in at most 64 chunks of whole KV blocks.
+// The split of decode attention covers every position in at most 64 chunks of whole KV blocks,
+// whatever the parallelism it is asked to fill the GPU with; long contexts are cut into chunks of
+// at most 256 positions while 64 splits suffice.
 TEST(CudaOps, AttentionSplitCutsWholeBlocks) {
-  for (int ctx : {1, 15, 16, 17, 70, 100, 1000, 4096, 4097, 8192, 131072}) {
-    const cuda::AttentionSplit s = cuda::attention_split(ctx);
-    EXPECT_EQ(s.chunk % cuda::kKvBlock, 0) << ctx;
-    EXPECT_GE(s.splits, 1) << ctx;
-    EXPECT_LE(s.splits, 64) << ctx;
-    EXPECT_GE(int64_t(s.splits) * s.chunk, ctx) << ctx;
-    EXPECT_LT(int64_t(s.splits - 1) * s.chunk, ctx) << ctx << ": an empty split";
-  }
+  for (int parallel : {0, 1, 4, 32, 256, 4096})
+    for (int ctx : {1, 15, 16, 17, 70, 100, 1000, 4096, 4097, 8192, 16384, 131072}) {
+      const cuda::AttentionSplit s = cuda::attention_split(ctx, parallel);
+      const std::string at = std::to_string(ctx) + " positions, parallel " + std::to_string(parallel);
+      EXPECT_EQ(s.chunk % cuda::kKvBlock, 0) << at;
+      EXPECT_GE(s.splits, 1) << at;
+      EXPECT_LE(s.splits, 64) << at;
+      EXPECT_GE(int64_t(s.splits) * s.chunk, ctx) << at;
+      EXPECT_LT(int64_t(s.splits - 1) * s.chunk, ctx) << at << ": an empty split";
+      if (parallel > 0 && ctx <= 64 * 256) {
+        EXPECT_LE(s.chunk, 256) << at;
+      }
+    }
+  // One sequence of 4 KV heads over 1024 positions: many short chunks.
+  EXPECT_GE(cuda::attention_split(1024, 4).splits, 32);
+}
+
+// Query heads per attention block divide each KV head's group.
+TEST(CudaOps, AttentionHeadsPerBlock) {
+  EXPECT_EQ(cuda::attention_heads_per_block(32, 4, 128), 8);
+  EXPECT_EQ(cuda::attention_heads_per_block(96, 8, 128), 4);
+  EXPECT_EQ(cuda::attention_heads_per_block(6, 2, 64), 1);
+  EXPECT_EQ(cuda::attention_heads_per_block(16, 2, 256), 4);
+  EXPECT_EQ(cuda::attention_heads_per_block(4, 4, 64), 1);
 }
 
 // QK norm + rotary + the key/value store, then decode attention, in a paged cache: the identity
@@ -363,8 +385,11 @@ TEST(CudaOps, QkRopeAttentionMatchCpu) {
     int nq, nkv, hd, rot;
     bool norm, interleaved;
   };
+  // Query heads per KV head 4, 1, 3, 2, 8, 12 and 8 at head_dim 256 (blocks of 4, 1, 1, 2, 8, 4, 4 heads).
   for (const Case& cs : {Case{8, 2, 64, 64, true, false}, Case{4, 4, 128, 64, false, false},
-                         Case{6, 2, 16, 8, true, true}, Case{2, 1, 256, 256, false, false}}) {
+                         Case{6, 2, 16, 8, true, true}, Case{2, 1, 256, 256, false, false},
+                         Case{16, 2, 128, 64, true, false}, Case{12, 1, 64, 32, false, true},
+                         Case{8, 1, 256, 128, true, false}}) {
     const int B = 3, cap = 70;
     const std::vector<int32_t> pos = {0, 17, 69};
     RopeConfig rc;
@@ -407,8 +432,9 @@ TEST(CudaOps, QkRopeAttentionMatchCpu) {
     }
     // Chunks of whole blocks, one chunk, and chunks that cut blocks (11: a warp's four positions
     // may straddle two blocks).
-    const cuda::AttentionSplit splits[] = {cuda::attention_split(cap), cuda::AttentionSplit{1, cap},
-                                           cuda::AttentionSplit{9, 8}, cuda::AttentionSplit{7, 11}};
+    const cuda::AttentionSplit splits[] = {cuda::attention_split(cap), cuda::attention_split(cap, B * cs.nkv),
+                                           cuda::AttentionSplit{1, cap}, cuda::AttentionSplit{9, 8},
+                                           cuda::AttentionSplit{7, 11}};
     std::vector<std::vector<float>> identity_out;  // per split
     for (bool shuffled : {false, true}) {
       test::PagedKv kv(B, cap, int(row), shuffled, rng);

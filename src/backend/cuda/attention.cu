@@ -10,33 +10,75 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kMaxHd = 256;
-constexpr int kUnroll = 4;  // positions whose keys are loaded before the first is used
 
-// Split-K decode attention (flash-decoding): block (head, sequence, split) covers positions
-// [split * chunk, (split + 1) * chunk) of that sequence; each warp keeps an online softmax over
-// its share and the block writes one partial (max, sum, weighted values) per split. A warp takes
-// kUnroll consecutive positions at a time, 16 apart between warps; with chunks of whole blocks
-// (attention_split) they lie in one block of the paged cache, so one table entry serves them.
-template <int kPer>
+// Sums v[0..GH) over the warp; every lane ends with all GH totals. Halving butterfly: each
+// stage a lane keeps half of its values and adds its partner's half of the same heads, so GH
+// totals take log2(GH) + (5 - log2(GH)) exchanges of shrinking width plus GH broadcasts instead
+// of 5 * GH.
+template <int GH>
+__device__ __forceinline__ void warp_sums(float (&v)[GH], int lane) {
+  constexpr int kStages = GH >= 8 ? 3 : GH >= 4 ? 2 : GH >= 2 ? 1 : 0;
+  static_assert((1 << kStages) == GH, "head groups of 1, 2, 4 or 8");
+  float w[GH];
+  #pragma unroll
+  for (int i = 0; i < GH; ++i) w[i] = v[i];
+  #pragma unroll
+  for (int s = 0; s < kStages; ++s) {
+    const int n = GH >> s, o = 16 >> s;
+    const bool hi = lane & o;
+    #pragma unroll
+    for (int i = 0; i < n / 2; ++i) {
+      const float send = hi ? w[i] : w[i + n / 2], keep = hi ? w[i + n / 2] : w[i];
+      w[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+    }
+  }
+  #pragma unroll
+  for (int o = 16 >> kStages; o > 0; o >>= 1) w[0] += __shfl_xor_sync(0xffffffffu, w[0], o);
+  // Lane bit 4 - s chose the upper half at stage s: head g lives in the lane whose bits spell g.
+  #pragma unroll
+  for (int g = 0; g < GH; ++g) {
+    int src = 0;
+    #pragma unroll
+    for (int s = 0; s < kStages; ++s) src |= ((g >> (kStages - 1 - s)) & 1) << (4 - s);
+    v[g] = __shfl_sync(0xffffffffu, w[0], src);
+  }
+}
+
+// Split-K decode attention (flash-decoding), grouped by KV head: block (KV head and group of GH
+// of its query heads, sequence, split) covers positions [split * chunk, (split + 1) * chunk) of
+// that sequence and loads each key and value row once for its GH query heads (GQA: the
+// cache is read once per group, not once per query head). Each warp keeps an online softmax
+// per head over its share and the block writes one partial (max, sum, weighted values) per head
+// and split. A warp takes kUnroll consecutive positions at a time, kWarps * kUnroll apart between
+// warps; with chunks of whole blocks (attention_split) they lie in one block of the paged cache,
+// so one table entry serves them.
+template <int kPer, int GH>
 __global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const float* __restrict__ q, int nq, int nkv,
                                                                        int hd, float scale, int chunk,
                                                                        const int32_t* __restrict__ positions,
                                                                        KvLayer cache, float* __restrict__ part) {
-  __shared__ float s_m[kWarps], s_l[kWarps], s_acc[kWarps][kPer * 32];
-  const int h = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+  constexpr int kUnroll = kPer >= 8 ? 2 : 4;  // positions whose rows are loaded before the first is used
+  __shared__ float s_m[kWarps][GH], s_l[kWarps][GH], s_acc[kWarps][GH][kPer * 32];
+  const int groups = nq / nkv / GH, kvh = blockIdx.x / groups;
+  const int h0 = kvh * (nq / nkv) + (blockIdx.x % groups) * GH;
+  const int b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   pdl_enter();
-  const int kvh = h / (nq / nkv), len = positions[b] + 1;
+  const int len = positions[b] + 1;
   const int begin = split * chunk, end = min(len, begin + chunk);
-  const float* qv = q + (size_t(b) * nq + h) * hd;
-  float qr[kPer], acc[kPer];
+  float qr[GH][kPer], acc[GH][kPer], m[GH], l[GH];
   #pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int d = lane + 32 * i;
-    qr[i] = d < hd ? qv[d] * scale : 0.0f;
-    acc[i] = 0.0f;
+  for (int g = 0; g < GH; ++g) {
+    const float* qv = q + (size_t(b) * nq + h0 + g) * hd;
+    #pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int d = lane + 32 * i;
+      qr[g][i] = d < hd ? qv[d] * scale : 0.0f;
+      acc[g][i] = 0.0f;
+    }
+    m[g] = -FLT_MAX;
+    l[g] = 0.0f;
   }
-  float m = -FLT_MAX, l = 0.0f;
   const float* kbase = cache.k + size_t(kvh) * hd;
   const float* vbase = cache.v + size_t(kvh) * hd;
   for (int p0 = begin + warp * kUnroll; p0 < end; p0 += kWarps * kUnroll) {
@@ -61,52 +103,68 @@ __global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const fl
     #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (p0 + u >= end) break;
-      float sdot = 0.0f;
+      float sdot[GH];
       #pragma unroll
-      for (int i = 0; i < kPer; ++i) sdot = fmaf(qr[i], kr[u][i], sdot);
+      for (int g = 0; g < GH; ++g) {
+        sdot[g] = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < kPer; ++i) sdot[g] = fmaf(qr[g][i], kr[u][i], sdot[g]);
+      }
+      warp_sums<GH>(sdot, lane);
       #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) sdot += __shfl_xor_sync(0xffffffffu, sdot, o);
-      const float mn = fmaxf(m, sdot), corr = __expf(m - mn), pw = __expf(sdot - mn);
-      l = l * corr + pw;
-      #pragma unroll
-      for (int i = 0; i < kPer; ++i) acc[i] = fmaf(pw, vr[u][i], acc[i] * corr);
-      m = mn;
+      for (int g = 0; g < GH; ++g) {
+        const float mn = fmaxf(m[g], sdot[g]), corr = __expf(m[g] - mn), pw = __expf(sdot[g] - mn);
+        l[g] = l[g] * corr + pw;
+        #pragma unroll
+        for (int i = 0; i < kPer; ++i) acc[g][i] = fmaf(pw, vr[u][i], acc[g][i] * corr);
+        m[g] = mn;
+      }
     }
   }
-  if (lane == 0) s_m[warp] = m, s_l[warp] = l;
   #pragma unroll
-  for (int i = 0; i < kPer; ++i) s_acc[warp][lane + 32 * i] = acc[i];
-  __syncthreads();
-  if (warp != 0) return;
-  float M = -FLT_MAX;
-  for (int w = 0; w < kWarps; ++w) M = fmaxf(M, s_m[w]);
-  float L = 0.0f;
-  for (int w = 0; w < kWarps; ++w) L += s_l[w] * __expf(s_m[w] - M);
-  // Partial layout: [b][h][split][hd + 2] = weighted values, then max and sum.
-  float* out = part + ((size_t(b) * nq + h) * splits + split) * (hd + 2);
-  #pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int d = lane + 32 * i;
-    if (d >= hd) continue;
-    float t = 0.0f;
-    for (int w = 0; w < kWarps; ++w) t += s_acc[w][d] * __expf(s_m[w] - M);
-    out[d] = t;
+  for (int g = 0; g < GH; ++g) {
+    if (lane == 0) s_m[warp][g] = m[g], s_l[warp][g] = l[g];
+    #pragma unroll
+    for (int i = 0; i < kPer; ++i) s_acc[warp][g][lane + 32 * i] = acc[g][i];
   }
-  if (lane == 0) out[hd] = M, out[hd + 1] = L;
+  __syncthreads();
+  // Warp w merges the warps' partials of heads w, w + kWarps, ...
+  for (int g = warp; g < GH; g += kWarps) {
+    float M = -FLT_MAX;
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, s_m[w][g]);
+    float L = 0.0f;
+    for (int w = 0; w < kWarps; ++w) L += s_l[w][g] * __expf(s_m[w][g] - M);
+    // Partial layout: [b][h][split][hd + 2] = weighted values, then max and sum.
+    float* out = part + ((size_t(b) * nq + h0 + g) * splits + split) * (hd + 2);
+    #pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int d = lane + 32 * i;
+      if (d >= hd) continue;
+      float t = 0.0f;
+      for (int w = 0; w < kWarps; ++w) t += s_acc[w][g][d] * __expf(s_m[w][g] - M);
+      out[d] = t;
+    }
+    if (lane == 0) out[hd] = M, out[hd + 1] = L;
+  }
 }
 
 constexpr int kMaxSplits = 64;  // attention_split never makes more
 constexpr int kSplitsPerLane = kMaxSplits / 32, kCombineDims = 128;
 
+constexpr int kEarly = 32;  // splits whose values a combine thread loads while the weights are made
+
 // Block (head, sequence, 128 dimensions): the first warp turns the splits' maxima and sums into
-// one weight per split, then every thread adds its dimension over the splits with the loads of
-// several splits in flight.
+// one weight per split while every thread already loads its dimension of the first kEarly
+// splits; then each thread adds its dimension over the splits (usually one memory round trip).
 __global__ void __launch_bounds__(kCombineDims) attention_combine_kernel(const float* __restrict__ part, int nq,
                                                                          int hd, int splits, float* __restrict__ out) {
   __shared__ float weight[kMaxSplits];
   const int h = blockIdx.x, b = blockIdx.y, d = blockIdx.z * kCombineDims + threadIdx.x;
   pdl_enter();
   const float* p = part + (size_t(b) * nq + h) * splits * (hd + 2);
+  float early[kEarly];
+  #pragma unroll
+  for (int s = 0; s < kEarly; ++s) early[s] = s < splits && d < hd ? p[s * (hd + 2) + d] : 0.0f;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     float m[kSplitsPerLane], l[kSplitsPerLane], M = -FLT_MAX;
@@ -131,41 +189,74 @@ __global__ void __launch_bounds__(kCombineDims) attention_combine_kernel(const f
   __syncthreads();
   if (d >= hd) return;
   float t = 0.0f;
+  #pragma unroll
+  for (int s = 0; s < kEarly; ++s)
+    if (s < splits) t = fmaf(early[s], weight[s], t);
   #pragma unroll 8
-  for (int s = 0; s < splits; ++s) t = fmaf(p[s * (hd + 2) + d], weight[s], t);
+  for (int s = kEarly; s < splits; ++s) t = fmaf(p[s * (hd + 2) + d], weight[s], t);
   out[(size_t(b) * nq + h) * hd + d] = t;
 }
 
 }  // namespace
 
-AttentionSplit attention_split(int max_context) {
+AttentionSplit attention_split(int max_context, int parallel) {
+  int splits = std::min(kMaxSplits, std::max(1, (max_context + 63) / 64));
+  if (parallel > 0) {
+    // Enough blocks for two per SM, and no block longer than 256 positions (long prompts), but
+    // no chunk shorter than a KV block.
+    const int fill = (2 * sm_count() + parallel - 1) / parallel, length = (max_context + 255) / 256;
+    const int most = std::min(kMaxSplits, (max_context + kKvBlock - 1) / kKvBlock);
+    splits = std::max(1, std::min(most, std::max(fill, length)));
+  }
   AttentionSplit s;
-  const int splits = std::min(kMaxSplits, std::max(1, (max_context + 63) / 64));
   // Chunks of whole blocks of the paged cache (kv_layer.h): a warp's positions share a table entry.
   s.chunk = ((max_context + splits - 1) / splits + kKvBlock - 1) / kKvBlock * kKvBlock;
   s.splits = std::max(1, (max_context + s.chunk - 1) / s.chunk);
   return s;
 }
 
+int attention_heads_per_block(int nq, int nkv, int hd) {
+  const int group = nq / nkv, most = hd > 128 ? 4 : 8;
+  for (int gh = most; gh > 1; gh /= 2)
+    if (group % gh == 0) return gh;
+  return 1;
+}
+
+namespace {
+
+template <int kPer>
+void launch_partial(int gh, dim3 grid, cudaStream_t s, const float* q, int nq, int nkv, int hd, float scale,
+                    int chunk, const int32_t* positions, const KvLayer& cache, float* scratch) {
+  const dim3 block(kWarps * 32);
+  switch (gh) {
+    case 1: launch(attention_partial_kernel<kPer, 1>, grid, block, 0, s, q, nq, nkv, hd, scale, chunk, positions, cache, scratch); break;
+    case 2: launch(attention_partial_kernel<kPer, 2>, grid, block, 0, s, q, nq, nkv, hd, scale, chunk, positions, cache, scratch); break;
+    case 4: launch(attention_partial_kernel<kPer, 4>, grid, block, 0, s, q, nq, nkv, hd, scale, chunk, positions, cache, scratch); break;
+    default:
+      if constexpr (kPer < 8) {
+        launch(attention_partial_kernel<kPer, 8>, grid, block, 0, s, q, nq, nkv, hd, scale, chunk, positions, cache,
+               scratch);
+      } else {
+        fail("internal: ", gh, " query heads per attention block at head_dim ", hd);
+      }
+  }
+}
+
+}  // namespace
+
 void launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, float scale,
                              const int32_t* positions, KvLayer cache, const AttentionSplit& split, float* scratch,
                              float* out, cudaStream_t s) {
   if (hd > kMaxHd) fail("CUDA decode attention supports head_dim up to ", kMaxHd, ", got ", hd);
+  if (nkv < 1 || nq % nkv != 0) fail("internal: ", nq, " query heads over ", nkv, " KV heads");
   if (!cache.table || cache.row != nkv * hd)
     fail("internal: a KV cache of rows of ", cache.row, " floats for ", nkv, " heads of ", hd);
-  const dim3 grid(unsigned(nq), unsigned(batch), unsigned(split.splits));
-  if (hd <= 32)
-    launch(attention_partial_kernel<1>, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions,
-           cache, scratch);
-  else if (hd <= 64)
-    launch(attention_partial_kernel<2>, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions,
-           cache, scratch);
-  else if (hd <= 128)
-    launch(attention_partial_kernel<4>, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions,
-           cache, scratch);
-  else
-    launch(attention_partial_kernel<8>, grid, dim3(kWarps * 32), 0, s, q, nq, nkv, hd, scale, split.chunk, positions,
-           cache, scratch);
+  const int gh = attention_heads_per_block(nq, nkv, hd);
+  const dim3 grid(unsigned(nq / gh), unsigned(batch), unsigned(split.splits));
+  if (hd <= 32) launch_partial<1>(gh, grid, s, q, nq, nkv, hd, scale, split.chunk, positions, cache, scratch);
+  else if (hd <= 64) launch_partial<2>(gh, grid, s, q, nq, nkv, hd, scale, split.chunk, positions, cache, scratch);
+  else if (hd <= 128) launch_partial<4>(gh, grid, s, q, nq, nkv, hd, scale, split.chunk, positions, cache, scratch);
+  else launch_partial<8>(gh, grid, s, q, nq, nkv, hd, scale, split.chunk, positions, cache, scratch);
   KESTREL_CUDA_LAUNCHED();
   launch_attention_combine(scratch, batch, nq, hd, split, out, s);
 }

@@ -9,13 +9,21 @@
 
 namespace kestrel::cuda {
 
-// How the positions are cut: `splits` blocks per (head, sequence), `chunk` positions each.
-// Fixed for a given capacity so that one captured graph serves every length up to it;
-// attention_split makes chunks of whole blocks of the paged cache (any chunk works).
+// How the positions are cut: `splits` blocks per (head group, sequence), `chunk` positions each.
+// Fixed for a given capacity (and batch) so that one captured graph serves every length up to
+// it; attention_split makes chunks of whole blocks of the paged cache (any chunk works).
 struct AttentionSplit {
   int splits = 1, chunk = 1;
 };
-AttentionSplit attention_split(int max_context);
+// parallel: the blocks of one split (batch x KV heads for launch_decode_attention); with it, the
+// splits fill the GPU (two blocks per SM) and cut long contexts into chunks of at most 256
+// positions. Without (0): chunks of about 64 positions (MLA attention, which sizes its own grid).
+// At most 64 splits.
+AttentionSplit attention_split(int max_context, int parallel = 0);
+
+// Query heads that one block of launch_decode_attention serves with each key/value row it loads
+// (a divisor of nq / nkv: 8, 4, 2 or 1; 4 at most above head_dim 128, for registers).
+int attention_heads_per_block(int nq, int nkv, int hd);
 
 // Floats of scratch the split needs: batch * nq * splits * (hd + 2).
 inline size_t attention_scratch_floats(int batch, int nq, int hd, const AttentionSplit& s) {

@@ -150,7 +150,10 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
     k_ = buffer<float>(B * nkv * hd);
     v_ = buffer<float>(B * nkv * hd);
     att_ = buffer<float>(B * nq * hd);
-    att_scratch_ = buffer<float>(attention_scratch_floats(max_batch, int(nq), int(hd), split_));
+    size_t scratch = 0;
+    for (int b = 1; b <= max_batch; ++b)
+      scratch = std::max(scratch, attention_scratch_floats(b, int(nq), int(hd), gqa_split(b)));
+    att_scratch_ = buffer<float>(scratch);
   }
   act_ = buffer<float>(B * size_t(std::max<int64_t>(c.intermediate_size, 1)));
   logits_ = buffer<float>(B * size_t(c.vocab_size));
@@ -362,7 +365,7 @@ void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, Logits rows, bool 
       op("qkv_proj", 1, double(L.q.bytes() + L.k.bytes() + L.v.bytes()));
       launch_qk_rope_store(q_, k_, v_, batch, nq, nkv, hd, L.q_norm, L.k_norm, eps, rope, positions_, kvl, s);
       op("qk_norm_rope", 1, act * (nq + 2 * nkv) * hd);
-      launch_decode_attention(q_, batch, nq, nkv, hd, scale, positions_, kvl, split_, att_scratch_, att_, s);
+      launch_decode_attention(q_, batch, nq, nkv, hd, scale, positions_, kvl, gqa_split(batch), att_scratch_, att_, s);
       op("attention", 2, 0.0);  // KV bytes depend on the positions: the caller adds them
       const LinearJob o[1] = {{L.o, out}};
       launch_linear(o, 1, att_, batch, !split, s);

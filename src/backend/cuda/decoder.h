@@ -134,7 +134,10 @@ class Decoder {
   int64_t kv_blocks_ = 0;
   int32_t* table_ = nullptr;
   int table_stride_ = 0;
-  AttentionSplit split_;
+  AttentionSplit split_;  // MLA attention's
+  AttentionSplit gqa_split(int batch) const {  // GQA attention's, per batch (fixed in each batch's graph)
+    return attention_split(max_context_, batch * int(m_.config().num_kv_heads));
+  }
   // MLA: q latent, kv latent, queries, queries in latent space, latent attention output, values;
   // DSA indexer: queries, key, head weights, scores, selected positions and their count.
   struct MlaBuffers {

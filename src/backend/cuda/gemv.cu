@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cstdlib>
+#include <type_traits>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/dequant.cuh"
@@ -58,63 +59,16 @@ __global__ void __launch_bounds__(kWarps * 32) linear_kernel(Jobs jobs, const fl
   }
 }
 
-// 2..8 tokens, every job NVFP4 or BF16 with K % 64 == 0: tensor cores (mma_tiles.cuh). A block holds
-// kWarps / ks tiles of 16 rows; the ks warps of a tile take its chunks in turn and their
-// accumulators are added in warp order.
-template <int B>
-__global__ void __launch_bounds__(kWarps * 32) mma_linear_kernel(Jobs jobs, const float* __restrict__ x, int accumulate) {
-  __shared__ float red[kWarps][32][4];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int blk = blockIdx.x, jb = 0;
-  while (blk >= jobs.blocks[jb]) blk -= jobs.blocks[jb++];
-  const DLinear& W = jobs.j[jb].w;
-  const int ks = jobs.ks[jb], tiles = kWarps / ks;
-  const int r0 = (blk * tiles + warp / ks) * 16, wk = warp % ks;
-  prefetch_rows_l2(W, blk * tiles * 16, tiles * 16);
-  pdl_enter();
-  const int g = lane >> 2, j = lane & 3;
-  const int ra = min(r0 + g, W.out - 1), rb = min(r0 + g + 8, W.out - 1);
-  const float* xg = g < B ? x + size_t(g) * W.in : nullptr;
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  if (r0 < W.out) {
-    if (W.format == DFormat::NVFP4) {
-      #pragma unroll 2
-      for (int c = wk; c < W.in / 64; c += ks) nvfp4_mma_chunk(W, ra, rb, x_frag<true>(xg, c, j), c, j, acc);
-    } else {
-      #pragma unroll 2
-      for (int c = wk; c < W.in / 64; c += ks) bf16_mma_chunk(W, ra, rb, x_frag<false>(xg, c, j), c, j, acc);
-    }
-  }
-  #pragma unroll
-  for (int i = 0; i < 4; ++i) red[warp][lane][i] = acc[i];
-  __syncthreads();
-  if (wk != 0 || r0 >= W.out) return;
-  for (int w = warp + 1; w < warp + ks; ++w)
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[i] += red[w][lane][i];
-  float* y = jobs.j[jb].y;
-  const float k = mma_unscale(W);
-  #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = r0 + g + 8 * h;
-    if (row >= W.out) continue;
-    const float bias = W.bias ? W.bias[row] : 0.0f;
-    #pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const int b = 2 * j + q;
-      if (b >= B) continue;
-      float* p = y + size_t(b) * W.out + row;
-      *p = (accumulate ? *p : 0.0f) + acc[2 * h + q] * k + bias;
-    }
-  }
-}
-
-// 9..64 tokens (nb), as mma_linear_kernel with G groups of 8 tokens per pass: each chunk of a
-// tile is dequantized once (a_frag) and multiplied by every group's activations, so the
-// dequantization, which bounds the tensor-core path, is paid once per 8G tokens instead of per 8.
+// Tensor cores (mma_tiles.cuh), every job NVFP4 or BF16 with K % 64 == 0, up to 64 tokens (nb)
+// per launch. A block holds kWarps / ks tiles of 16 rows; the ks warps of a tile take its chunks
+// in turn and their accumulators are added in warp order. Each chunk of a tile is dequantized
+// once (a_frag) and multiplied by the activations of G groups of 8 tokens, so the
+// dequantization, which bounds the tensor-core path, is paid once per 8G tokens; block row y of
+// the grid takes the tokens from 8 G y (small matrices give more blocks that way).
 template <int G>
-__global__ void __launch_bounds__(kWarps * 32) mma_linear_wide_kernel(Jobs jobs, const float* __restrict__ x, int nb,
+__global__ void __launch_bounds__(kWarps * 32, 2) mma_linear_wide_kernel(Jobs jobs, const float* __restrict__ x, int nb,
                                                                      int accumulate) {
+  constexpr int kChunksInFlight = G == 1 ? 2 : 1;  // one group: two chunks' loads in flight
   __shared__ float red[kWarps][4 * G][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int blk = blockIdx.x, jb = 0;
@@ -122,7 +76,10 @@ __global__ void __launch_bounds__(kWarps * 32) mma_linear_wide_kernel(Jobs jobs,
   const DLinear& W = jobs.j[jb].w;
   const int ks = jobs.ks[jb], tiles = kWarps / ks;
   const int r0 = (blk * tiles + warp / ks) * 16, wk = warp % ks;
-  prefetch_rows_l2(W, blk * tiles * 16, tiles * 16);
+  const int t0 = int(blockIdx.y) * 8 * G;
+  if (blockIdx.y == 0) prefetch_rows_l2(W, blk * tiles * 16, tiles * 16);
+  x += size_t(t0) * W.in;
+  nb -= t0;
   pdl_enter();
   const int g = lane >> 2, j = lane & 3;
   const int ra = min(r0 + g, W.out - 1), rb = min(r0 + g + 8, W.out - 1);
@@ -130,17 +87,22 @@ __global__ void __launch_bounds__(kWarps * 32) mma_linear_wide_kernel(Jobs jobs,
   float acc[G][4];
   #pragma unroll
   for (int q = 0; q < G; ++q) acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = 0.0f;
-  if (r0 < W.out) {
-    #pragma unroll 1
+  // The format is chosen outside the chunk loop so that unrolled chunks' loads can be hoisted.
+  auto chunks = [&](auto fp4_format) {
+    constexpr bool kFp4 = decltype(fp4_format)::value;
+    #pragma unroll kChunksInFlight
     for (int c = wk; c < W.in / 64; c += ks) {
-      const AFrag A = a_frag(W, ra, rb, c, j);
+      const AFrag A = kFp4 ? nvfp4_a_frag(W, ra, rb, c, j) : bf16_a_frag(W, ra, rb, c, j);
       #pragma unroll
       for (int q = 0; q < G; ++q) {
         const int t = 8 * q + g;
-        const float* xg = t < nb ? x + size_t(t) * W.in : nullptr;
-        mma_afrag(A, fp4 ? x_frag<true>(xg, c, j) : x_frag<false>(xg, c, j), acc[q]);
+        mma_afrag(A, x_frag<kFp4>(t < nb ? x + size_t(t) * W.in : nullptr, c, j), acc[q]);
       }
     }
+  };
+  if (r0 < W.out) {
+    if (fp4) chunks(std::true_type{});
+    else chunks(std::false_type{});
   }
   if (ks > 1) {
     #pragma unroll
@@ -156,7 +118,7 @@ __global__ void __launch_bounds__(kWarps * 32) mma_linear_wide_kernel(Jobs jobs,
         for (int i = 0; i < 4; ++i) acc[q][i] += red[w][4 * q + i][lane];
   }
   if (r0 >= W.out) return;
-  float* y = jobs.j[jb].y;
+  float* y = jobs.j[jb].y + size_t(t0) * W.out;
   const float k = mma_unscale(W);
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -285,6 +247,25 @@ int mma_min_batch() {
   return v;
 }
 
+// Blocks per SM below which a tensor-core pass spreads its token groups over more block rows
+// (KESTREL_LINEAR_FILL, for A/B runs; 0 keeps every group of a pass in one block).
+int linear_fill() {
+  static const int v = [] {
+    const char* e = std::getenv("KESTREL_LINEAR_FILL");
+    return e ? std::max(0, std::atoi(e)) : 1;
+  }();
+  return v;
+}
+
+// Most warps that split one tile's chunks above 8 tokens (KESTREL_WIDE_KS, for A/B runs).
+int wide_warps_per_tile() {
+  static const int v = [] {
+    const char* e = std::getenv("KESTREL_WIDE_KS");
+    return e ? std::clamp(std::atoi(e), 1, 8) : 8;
+  }();
+  return v;
+}
+
 template <typename F>
 void by_batch(int batch, F&& f) {
   switch (batch) {
@@ -304,22 +285,26 @@ void by_batch(int batch, F&& f) {
 
 void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, bool accumulate, cudaStream_t s) {
   if (njobs < 1 || njobs > 3) fail("internal: launch_linear takes 1 to 3 jobs");
-  bool tc = true;  // every job fits the tensor-core tiles
-  for (int i = 0; i < njobs; ++i)
+  bool tc = true, bf16 = true;  // every job fits the tensor-core tiles; every job is BF16
+  for (int i = 0; i < njobs; ++i) {
     tc &= (jobs[i].w.format == DFormat::NVFP4 || jobs[i].w.format == DFormat::BF16) && jobs[i].w.in % 64 == 0;
-  // Passes of up to 64 tokens on tensor cores (more than 8: the wide kernel), else of up to 8.
+    bf16 &= jobs[i].w.format == DFormat::BF16;
+  }
+  // Passes of up to 64 tokens on tensor cores, else of up to 8 on CUDA cores. One token takes
+  // tensor cores for BF16 only: its conversion is cheap, NVFP4's dequantization is not, and a
+  // token uses one column of eight.
   for (int b0 = 0, nb = 0; b0 < batch; b0 += nb) {
-    const bool wide = tc && batch - b0 > 8;
-    nb = std::min(wide ? 64 : 8, batch - b0);
+    const bool mma = tc && (batch - b0 >= mma_min_batch() || bf16);
+    nb = std::min(mma ? 64 : 8, batch - b0);
     const float* xb = x + size_t(b0) * jobs[0].w.in;
-    const bool mma = tc && nb >= mma_min_batch();
     auto jobs_for = [&](int rows_per_tile) {
       Jobs J{};
       J.n = njobs;
       for (int i = 0; i < njobs; ++i) {
         J.j[i] = jobs[i];
         J.j[i].y = jobs[i].y + size_t(b0) * jobs[i].w.out;
-        J.ks[i] = mma ? mma_warps_per_tile(jobs[i].w.in) : warps_per_row(jobs[i].w);
+        J.ks[i] = mma ? std::min(mma_warps_per_tile(jobs[i].w.in), nb > 8 ? wide_warps_per_tile() : 8)
+                      : warps_per_row(jobs[i].w);
         const int rows_per_block = (kWarps / J.ks[i]) * rows_per_tile;
         J.blocks[i] = (jobs[i].w.out + rows_per_block - 1) / rows_per_block;
         J.blocks_total += J.blocks[i];
@@ -327,18 +312,25 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
       return J;
     };
     const int acc = accumulate ? 1 : 0;
-    if (wide) {
+    if (mma) {
       const Jobs J = jobs_for(16);
-      const dim3 grid(unsigned(J.blocks_total)), block(kWarps * 32);
-      if (nb <= 16) launch(mma_linear_wide_kernel<2>, grid, block, 0, s, J, xb, nb, acc);
-      else if (nb <= 32) launch(mma_linear_wide_kernel<4>, grid, block, 0, s, J, xb, nb, acc);
-      else launch(mma_linear_wide_kernel<8>, grid, block, 0, s, J, xb, nb, acc);
+      // Groups of 8 tokens per block: as many as the pass has (each tile dequantized once), but
+      // fewer, in more block rows, where the tiles alone leave SMs idle (a router of 128 rows is
+      // 8 blocks).
+      const int groups = (nb + 7) / 8;
+      int G = groups > 4 ? 8 : groups > 2 ? 4 : groups;
+      while (G > 1 && J.blocks_total * ((groups + G - 1) / G) < linear_fill() * sm_count()) G /= 2;
+      const dim3 grid(unsigned(J.blocks_total), unsigned((groups + G - 1) / G)), block(kWarps * 32);
+      switch (G) {
+        case 1: launch(mma_linear_wide_kernel<1>, grid, block, 0, s, J, xb, nb, acc); break;
+        case 2: launch(mma_linear_wide_kernel<2>, grid, block, 0, s, J, xb, nb, acc); break;
+        case 4: launch(mma_linear_wide_kernel<4>, grid, block, 0, s, J, xb, nb, acc); break;
+        default: launch(mma_linear_wide_kernel<8>, grid, block, 0, s, J, xb, nb, acc); break;
+      }
     } else {
       by_batch(nb, [&](auto B) {
-        // Rows per warp group: a 16-row tile on tensor cores, R rows on CUDA cores.
-        const Jobs J = jobs_for(mma ? 16 : rows_per_warp<B()>());
-        launch(mma ? mma_linear_kernel<B()> : linear_kernel<B()>, dim3(unsigned(J.blocks_total)), dim3(kWarps * 32), 0, s,
-               J, xb, acc);
+        const Jobs J = jobs_for(rows_per_warp<B()>());
+        launch(linear_kernel<B()>, dim3(unsigned(J.blocks_total)), dim3(kWarps * 32), 0, s, J, xb, acc);
       });
     }
     KESTREL_CUDA_LAUNCHED();
