@@ -224,7 +224,9 @@ TEST(CudaOps, RoutingOfNanStaysInRange) {
     const std::vector<float> x(size_t(B) * H, std::nanf(""));
     DeviceBuffer<float> dx(x), dbias(bias), dw(size_t(B) * c.experts_per_token), dl(size_t(B) * c.num_experts);
     DeviceBuffer<int32_t> de(size_t(B) * c.experts_per_token);
-    cuda::launch_route(cuda::make_router(c, w.dev, dbias.get()), dx.get(), B, dl.get(), de.get(), dw.get(), nullptr);
+    DeviceBuffer<uint32_t> done(std::vector<uint32_t>(size_t(cuda::route_chunks(B)), 0));
+    cuda::launch_route(cuda::make_router(c, w.dev, dbias.get()), dx.get(), B, dl.get(), done.get(), de.get(), dw.get(),
+                       nullptr);
     for (int32_t e : de.download()) {
       EXPECT_GE(e, 0);
       EXPECT_LT(e, c.num_experts);
@@ -232,30 +234,55 @@ TEST(CudaOps, RoutingOfNanStaysInRange) {
   }
 }
 
+// Routing is one launch over chunks of up to 8 tokens: every batch size (partial last chunks
+// included), each launched twice on the same buffers (the chunk counters must be back at 0), in
+// every router weight format; rows 2048 wide split K over the warps of a block, 132 wide (BF16,
+// not a multiple of 8) take the element-wise path.
 TEST(CudaOps, RoutingMatchesCpu) {
   std::mt19937 rng(5);
-  const int H = 128, B = 7;
-  for (const ModelConfig& c : {router_config(false, 128, 8, 1, 1, true), router_config(false, 60, 4, 1, 1, false),
-                               router_config(true, 64, 6, 8, 3, true), router_config(true, 16, 2, 1, 1, true)}) {
-    RandomLinear w(int(c.num_experts), H, WeightFormat::BF16, rng);
-    const auto bias = test::random_floats(size_t(c.num_experts), rng, 0.1f);
-    const auto x = test::random_floats(size_t(B) * H, rng);
-    std::vector<float> logits(size_t(B) * c.num_experts);
-    ThreadPool pool(1);
-    cpu::linear(w.host, x.data(), B, logits.data(), pool);
-    const cpu::Routing ref = cpu::route(c, logits.data(), B, bias);
-    DeviceBuffer<float> dx(x), dbias(bias), dw(size_t(B) * c.experts_per_token), dl(size_t(B) * c.num_experts);
-    DeviceBuffer<int32_t> de(size_t(B) * c.experts_per_token);
-    dw.poison();
-    cuda::launch_route(cuda::make_router(c, w.dev, dbias.get()), dx.get(), B, dl.get(), de.get(), dw.get(), nullptr);
-    const auto ge = de.download();
-    const auto gw = dw.download();
-    for (int b = 0; b < B; ++b)
-      for (int j = 0; j < c.experts_per_token; ++j) {
-        const size_t i = size_t(b) * c.experts_per_token + j;
-        EXPECT_EQ(ge[i], ref.experts[i]) << "token " << b << " slot " << j;
-        EXPECT_NEAR(gw[i], ref.weights[i], 1e-5f) << "token " << b << " slot " << j;
+  struct Case {
+    ModelConfig c;
+    WeightFormat f;
+    int H;
+  };
+  for (const Case& rc : {Case{router_config(false, 128, 8, 1, 1, true), WeightFormat::BF16, 2048},
+                         Case{router_config(false, 60, 4, 1, 1, false), WeightFormat::BF16, 132},
+                         Case{router_config(true, 64, 6, 8, 3, true), WeightFormat::BF16, 128},
+                         Case{router_config(true, 16, 2, 1, 1, true), WeightFormat::F32, 96},
+                         Case{router_config(false, 128, 8, 1, 1, true), WeightFormat::NVFP4, 2048},
+                         Case{router_config(true, 256, 8, 8, 4, true), WeightFormat::NVFP4, 176}}) {
+    const ModelConfig& c = rc.c;
+    const int H = rc.H, E = int(c.num_experts), K = int(c.experts_per_token);
+    RandomLinear w(E, H, rc.f, rng);
+    const auto bias = test::random_floats(size_t(E), rng, 0.1f);
+    DeviceBuffer<float> dbias(bias);
+    const cuda::DRouter router = cuda::make_router(c, w.dev, dbias.get());
+    for (int B : {1, 7, 8, 9, 33, 64}) {
+      const auto x = test::random_floats(size_t(B) * H, rng);
+      std::vector<float> logits(size_t(B) * E);
+      ThreadPool pool(1);
+      cpu::linear(w.host, x.data(), B, logits.data(), pool);
+      const cpu::Routing ref = cpu::route(c, logits.data(), B, bias);
+      DeviceBuffer<float> dx(x), dw(size_t(B) * K), dl(size_t(B) * E);
+      DeviceBuffer<int32_t> de(size_t(B) * K);
+      DeviceBuffer<uint32_t> done(std::vector<uint32_t>(size_t(cuda::route_chunks(B)), 0));
+      for (int run = 0; run < 2; ++run) {
+        dw.poison(), dl.poison(), de.poison();
+        cuda::launch_route(router, dx.get(), B, dl.get(), done.get(), de.get(), dw.get(), nullptr);
+        const std::string what = std::string(format_name(rc.f)) + " " + std::to_string(E) + " experts x " +
+                                 std::to_string(H) + ", batch " + std::to_string(B) + ", run " + std::to_string(run);
+        EXPECT_LE(test::rel_err(dl.download(), logits), kTol) << what;
+        const auto ge = de.download();
+        const auto gw = dw.download();
+        for (int b = 0; b < B; ++b)
+          for (int j = 0; j < K; ++j) {
+            const size_t i = size_t(b) * K + j;
+            EXPECT_EQ(ge[i], ref.experts[i]) << what << ", token " << b << " slot " << j;
+            EXPECT_NEAR(gw[i], ref.weights[i], 1e-5f) << what << ", token " << b << " slot " << j;
+          }
+        for (uint32_t v : done.download()) EXPECT_EQ(v, 0u) << what << ": a chunk counter left set";
       }
+    }
   }
 }
 
@@ -335,8 +362,9 @@ TEST(CudaOps, MoeMatchesCpu) {
         DeviceBuffer<int32_t> se(size_t(B) * K);
         DeviceBuffer<float> sw(size_t(B) * K), sa(size_t(B) * (K + 1) * I), sl(size_t(B) * E);
         DeviceBuffer<float> so(size_t(B) * (K + 1) * H);
+        DeviceBuffer<uint32_t> done(std::vector<uint32_t>(size_t(cuda::route_chunks(B)), 0));
         sa.poison(), so.poison();
-        cuda::MoeScratch s{se.get(), sw.get(), sa.get(), I, sl.get(), so.get()};
+        cuda::MoeScratch s{se.get(), sw.get(), sa.get(), I, sl.get(), done.get(), so.get()};
         cuda::launch_moe(ep ? half : dm, dx.get(), B, dr.get(), s, nullptr);
         EXPECT_LE(test::rel_err(dr.download(), out), 1e-5)
             << format_name(mc.f) << " " << H << "x" << I << (shared ? ", shared" : "")

@@ -187,6 +187,9 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
     moe_.weights = buffer<float>(B * size_t(c.experts_per_token));
     moe_.act = buffer<float>(slots * size_t(moe_.act_stride));
     moe_.logits = buffer<float>(B * size_t(c.num_experts));
+    const size_t chunks = size_t(route_chunks(max_batch));
+    moe_.route_done = buffer<uint32_t>(chunks);
+    KESTREL_CUDA_CHECK(cudaMemset(moe_.route_done, 0, chunks * sizeof(uint32_t)));
     if (B >= 2) moe_.out = buffer<float>(slots * H);  // the expert-grouped kernels (KESTREL_MOE_GROUPED_MIN_BATCH)
   }
   guard.done = true;
@@ -378,8 +381,8 @@ void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, Logits rows, bool 
       op("rms_norm", 1, 2 * act * H);
     }
     if (L.is_moe) {
-      launch_route(L.moe.router, xn_, batch, moe_.logits, moe_.experts, moe_.weights, s);
-      op("router", 2, double(L.moe.router.w.bytes()));
+      launch_route(L.moe.router, xn_, batch, moe_.logits, moe_.route_done, moe_.experts, moe_.weights, s);
+      op("router", 1, double(L.moe.router.w.bytes()));
       if (split) KESTREL_CUDA_CHECK(cudaMemsetAsync(part_, 0, size_t(batch) * H * 4, s));  // the experts add to it
       launch_moe_experts(L.moe, xn_, batch, out, moe_, s);
       // An expert-parallel rank holds local_experts of the num_experts; uniform routing touches its share.

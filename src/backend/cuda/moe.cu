@@ -2,6 +2,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdlib>
+#include <type_traits>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/dequant.cuh"
@@ -17,6 +18,9 @@ constexpr int kWarps = 8;
 constexpr int kMaxExperts = 1024;
 constexpr int kGateUpRows = 4;  // gate rows (and as many up rows) per warp in gate_up_kernel
 constexpr int kDownRows = 4;    // rows per warp in down_kernel (8 spills registers)
+constexpr int kRouteWarps = 8;  // warps per router block: a chunk's tokens (kRouteTokens) get a warp each
+constexpr int kRouteRows = 4;   // router rows per block: 32 blocks per token chunk for 128 experts
+static_assert(kRouteTokens <= kRouteWarps, "the router selects a chunk's tokens with a warp each");
 
 // Largest value in v[0..n) (ties: lowest index) across one warp. Returns the index, always in
 // range: NaN logits (a diverged model) must not turn into an expert id past the end.
@@ -33,31 +37,27 @@ __device__ int warp_argmax(const float* v, int n, int lane) {
   return min(idx, n - 1);
 }
 
-// One warp per token selects experts from the router logits.
-__global__ void __launch_bounds__(32) select_kernel(DRouter r, const float* __restrict__ logits,
-                                                    int32_t* __restrict__ out_e, float* __restrict__ out_w) {
-  __shared__ float score[kMaxExperts], choice[kMaxExperts], gscore[32];
-  __shared__ int sel[32];
-  const int b = blockIdx.x, lane = threadIdx.x & 31;
+// Selects one token's experts from its router logits (one warp): softmax, or sigmoid plus the
+// correction bias with group-limited choice; then top-k, renormalization and routed scaling.
+// `logit` was written by other blocks of this launch: read through L2. choice: E floats of
+// shared memory; gscore, sel: 32 each.
+__device__ void select_experts(const DRouter& r, const float* logit, float* choice, float* gscore, int* sel,
+                               int32_t* __restrict__ out_e, float* __restrict__ out_w, int lane) {
   const int E = r.experts;
-  pdl_enter();
-  #pragma unroll 4
-  for (int e = lane; e < E; e += 32) score[e] = logits[size_t(b) * E + e] + (r.w.bias ? r.w.bias[e] : 0.0f);
-  __syncwarp();
+  float mx = 0.0f, inv = 0.0f;
   if (!r.sigmoid) {
-    float mx = -FLT_MAX;
-    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, score[e]);
+    mx = -FLT_MAX;
+    #pragma unroll 4
+    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, choice[e] = __ldcg(logit + e));
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     float sum = 0.0f;
-    for (int e = lane; e < E; e += 32) sum += (score[e] = expf(score[e] - mx));
+    for (int e = lane; e < E; e += 32) sum += (choice[e] = expf(choice[e] - mx));
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float inv = 1.0f / sum;
-    for (int e = lane; e < E; e += 32) choice[e] = score[e] = score[e] * inv;
+    inv = 1.0f / sum;
+    for (int e = lane; e < E; e += 32) choice[e] *= inv;
   } else {
-    for (int e = lane; e < E; e += 32) {
-      score[e] = 1.0f / (1.0f + expf(-score[e]));
-      choice[e] = score[e] + r.bias[e];
-    }
+    #pragma unroll 4
+    for (int e = lane; e < E; e += 32) choice[e] = 1.0f / (1.0f + expf(-__ldcg(logit + e))) + r.bias[e];
   }
   __syncwarp();
   if (r.sigmoid && r.n_group > 1) {
@@ -85,23 +85,89 @@ __global__ void __launch_bounds__(32) select_kernel(DRouter r, const float* __re
     }
     __syncwarp();
   }
-  float sum = 0.0f;
   for (int j = 0; j < r.top_k; ++j) {
     const int best = warp_argmax(choice, E, lane);
     __syncwarp();
-    if (lane == 0) {
-      choice[best] = -INFINITY;
-      sel[j] = best;
-    }
-    sum += score[best];
+    if (lane == 0) choice[best] = -INFINITY, sel[j] = best;
     __syncwarp();
   }
+  // The chosen experts' scores, recomputed from their logits with the expressions above (the same
+  // bits: choice holds score + bias for sigmoid routers), summed in choice order.
+  float w = 0.0f;
   if (lane < r.top_k) {
-    float w = score[sel[lane]];
-    if (r.norm_topk) w /= r.sigmoid ? sum + 1e-20f : sum;
-    out_e[b * r.top_k + lane] = sel[lane];
-    out_w[b * r.top_k + lane] = w * r.scaling;
+    const float l = __ldcg(logit + sel[lane]);
+    w = r.sigmoid ? 1.0f / (1.0f + expf(-l)) : expf(l - mx) * inv;
   }
+  float sum = 0.0f;
+  for (int j = 0; j < r.top_k; ++j) sum += __shfl_sync(0xffffffffu, w, j);
+  if (lane < r.top_k) {
+    if (r.norm_topk) w /= r.sigmoid ? sum + 1e-20f : sum;
+    out_e[lane] = sel[lane];
+    out_w[lane] = w * r.scaling;
+  }
+}
+
+// Grid: (blocks of kRouteRows experts, chunks of B tokens). Each block writes the logits of its
+// rows for its chunk's tokens, then counts itself done in done[chunk]; the block that finishes a
+// chunk last selects the experts of the chunk's tokens (a warp per token), so routing costs one
+// launch, and sets the count back to 0 for the next launch (graph replays included). The last
+// chunk may hold fewer than B tokens: it computes the B tokens ending at `batch` (re-reading some
+// of the previous chunk's) and writes only its own, so that every logit has one writer.
+template <int B>
+__global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(DRouter r, const float* __restrict__ x, int batch,
+                                                                 float* logits, unsigned* done,
+                                                                 int32_t* __restrict__ out_e,
+                                                                 float* __restrict__ out_w) {
+  // Rows per warp as in linear_kernel (fewer for more tokens bounds registers); the ks warps
+  // that share them split K, and their partial sums are added in warp order.
+  constexpr int R = rows_per_warp<B>() < kRouteRows ? rows_per_warp<B>() : kRouteRows;
+  constexpr int ks = kRouteWarps / (kRouteRows / R);
+  static_assert(kRouteRows % R == 0 && kRouteWarps % (kRouteRows / R) == 0, "router rows must split over the warps");
+  __shared__ float red[kRouteWarps * R * B];
+  __shared__ float gscore[kRouteWarps][32];
+  __shared__ int sel[kRouteWarps][32];
+  __shared__ bool last;
+  extern __shared__ float choice[];  // [kRouteWarps, experts]: the selection's
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const DLinear& W = r.w;
+  const int E = r.experts, K = W.in;
+  const int block_row0 = blockIdx.x * kRouteRows, row0 = block_row0 + (warp / ks) * R;
+  if (blockIdx.y == 0) prefetch_rows_l2(W, block_row0, kRouteRows);
+  pdl_enter();
+  const int t0 = blockIdx.y * B, owned = min(B, batch - t0), c0 = min(t0, batch - B);
+  float acc[R][B];
+  #pragma unroll
+  for (int i = 0; i < R; ++i)
+    #pragma unroll
+    for (int b = 0; b < B; ++b) acc[i][b] = 0.0f;
+  if (row0 < E) rows_dot_partial<R, B>(W, row0, x + size_t(c0) * K, K, lane, acc, (warp % ks) * 32, ks * 32);
+  group_sum<R, B>(acc, red, ks);
+  if (lane == 0 && warp % ks == 0) {
+    #pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int row = row0 + i;
+      if (row >= E) break;
+      const float bias = W.bias ? W.bias[row] : 0.0f;
+      #pragma unroll
+      for (int b = 0; b < B; ++b)
+        if (c0 + b >= t0) logits[size_t(c0 + b) * E + row] = acc[i][b] + bias;
+    }
+    __threadfence();  // the logits before the count (release)
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(&done[blockIdx.y], 1u) == gridDim.x - 1;
+    if (last) {
+      done[blockIdx.y] = 0;  // every block of the chunk has counted: nothing else touches it in this launch
+      __threadfence();       // the count before the other blocks' logits (acquire)
+    }
+  }
+  __syncthreads();
+  if (!last || warp >= owned) return;
+  const int t = t0 + warp;
+  select_experts(r, logits + size_t(t) * E, choice + size_t(warp) * E, gscore[warp], sel[warp],
+                 out_e + size_t(t) * r.top_k, out_w + size_t(t) * r.top_k, lane);
 }
 
 // Grid: (rows / kWarps, slots). Slot s < batch*top_k is token s / top_k's j-th expert; the
@@ -433,20 +499,36 @@ DRouter make_router(const ModelConfig& c, const DLinear& w, const float* bias) {
   return r;
 }
 
-void launch_route(const DRouter& r, const float* x, int batch, float* logits, int32_t* experts, float* weights,
-                  cudaStream_t stream) {
+void launch_route(const DRouter& r, const float* x, int batch, float* logits, uint32_t* done, int32_t* experts,
+                  float* weights, cudaStream_t stream) {
   if (r.experts > kMaxExperts || r.top_k > 32 || r.n_group > 32)
     fail("CUDA router supports at most ", kMaxExperts, " experts, top-32 and 32 groups");
-  DLinear w = r.w;
-  w.bias = nullptr;  // added by the selection
-  const LinearJob job{w, logits};
-  launch_linear(&job, 1, x, batch, false, stream);
-  launch(select_kernel, dim3(unsigned(batch)), dim3(32), 0, stream, r, logits, experts, weights);
+  if (r.w.out != r.experts || batch < 1 || !done)
+    fail("internal: a router of ", r.w.out, " rows for ", r.experts, " experts, batch ", batch,
+         done ? "" : ", no counters");
+  // Chunks of up to kRouteTokens tokens, as even as they can be: `per` tokens each, the last maybe fewer.
+  const int per = (batch + route_chunks(batch) - 1) / route_chunks(batch), chunks = (batch + per - 1) / per;
+  const dim3 grid(unsigned((r.experts + kRouteRows - 1) / kRouteRows), unsigned(chunks));
+  const size_t smem = size_t(kRouteWarps) * size_t(r.experts) * sizeof(float);
+  auto go = [&](auto B) {
+    launch(route_kernel<B()>, grid, dim3(kRouteWarps * 32), smem, stream, r, x, batch, logits, done, experts, weights);
+  };
+  switch (per) {
+    case 1: go(std::integral_constant<int, 1>{}); break;
+    case 2: go(std::integral_constant<int, 2>{}); break;
+    case 3: go(std::integral_constant<int, 3>{}); break;
+    case 4: go(std::integral_constant<int, 4>{}); break;
+    case 5: go(std::integral_constant<int, 5>{}); break;
+    case 6: go(std::integral_constant<int, 6>{}); break;
+    case 7: go(std::integral_constant<int, 7>{}); break;
+    case 8: go(std::integral_constant<int, 8>{}); break;
+    default: fail("internal: router chunks of ", per, " tokens");
+  }
   KESTREL_CUDA_LAUNCHED();
 }
 
 void launch_moe(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s, cudaStream_t stream) {
-  launch_route(m.router, x, batch, s.logits, s.experts, s.weights, stream);
+  launch_route(m.router, x, batch, s.logits, s.route_done, s.experts, s.weights, stream);
   launch_moe_experts(m, x, batch, residual, s, stream);
 }
 

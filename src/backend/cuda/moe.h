@@ -4,6 +4,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <vector>
 
 #include "backend/cuda/dlinear.h"
@@ -43,6 +44,10 @@ struct DMoe {
 void describe_experts(DMoe& m, const std::vector<DLinear>& gate, const std::vector<DLinear>& up,
                       const std::vector<DLinear>& down);
 
+// The router takes a batch in chunks of up to kRouteTokens tokens; each chunk needs a counter.
+constexpr int kRouteTokens = 8;
+inline int route_chunks(int batch) { return (batch + kRouteTokens - 1) / kRouteTokens; }
+
 // Scratch for one MoE layer at batch B: expert ids and weights [B, top_k], and the gated
 // activations of every (token, slot) pair [B * (top_k + shared), max width].
 struct MoeScratch {
@@ -50,9 +55,10 @@ struct MoeScratch {
   float* weights = nullptr;
   float* act = nullptr;
   int act_stride = 0;
-  float* logits = nullptr;  // router logits [B, experts]
-  float* out = nullptr;     // weighted down outputs of every slot [B * (top_k + shared), hidden]; with it,
-                            // batches of 4+ tokens take the expert-grouped tensor-core kernels
+  float* logits = nullptr;         // router logits [B, experts]
+  uint32_t* route_done = nullptr;  // router chunk counters [route_chunks(B)], zeroed once: each launch leaves them 0
+  float* out = nullptr;            // weighted down outputs of every slot [B * (top_k + shared), hidden]; with
+                                   // it, batches of 4+ tokens take the expert-grouped tensor-core kernels
 };
 
 // The experts after routing (s.experts, s.weights): gate/up of all slots, then down with the
@@ -67,9 +73,11 @@ void launch_moe_experts(const DMoe& m, const float* x, int batch, float* residua
 // Routing then experts. x: normalized input [B, hidden]; residual: [B, hidden], receives += MoE output.
 void launch_moe(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s, cudaStream_t stream);
 
-// Routing: router logits for each of `batch` rows of x (one matrix-vector launch over all
-// experts), then the selection (one block per token). Writes experts and weights [B, top_k].
-void launch_route(const DRouter& r, const float* x, int batch, float* logits, int32_t* experts, float* weights,
-                  cudaStream_t stream);
+// Routing in one launch: blocks of a few experts' rows write the router logits [B, experts] of
+// each chunk of up to kRouteTokens rows of x; the last block of a chunk to finish selects its
+// tokens' experts (a warp per token). Writes experts and weights [B, top_k]. done:
+// route_chunks(batch) counters, zero before the launch and after it.
+void launch_route(const DRouter& r, const float* x, int batch, float* logits, uint32_t* done, int32_t* experts,
+                  float* weights, cudaStream_t stream);
 
 }  // namespace kestrel::cuda
