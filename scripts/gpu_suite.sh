@@ -114,6 +114,10 @@ bench() {  # name, then kestrel bench arguments
 if [ -z "${SKIP_BENCH:-}" ]; then
   bench qwen3-30b-a3b --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,2,4,8,32,64 --context 1024 --steps 50 --ops \
     --plot "$OUT/ops_qwen3-30b-a3b.svg" --prefill 512,4096
+  # Long contexts (8k), and a cache sized as a server sizes it (32k) holding 1k-position sequences.
+  bench qwen3-30b-a3b-ctx8k --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8,32 --context 8192 --steps 30
+  bench qwen3-30b-a3b-cap32k --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8 --context 1024 \
+    --capacity 32768 --steps 30
   KESTREL_MOE_GROUPED_MIN_BATCH=1000 bench qwen3-30b-a3b-moe-per-slot --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
     --batch 4,8,32 --context 1024 --steps 50
   KESTREL_MMA_MIN_BATCH=1 bench qwen3-30b-a3b-mma-b1 --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1 --context 1024 --steps 50

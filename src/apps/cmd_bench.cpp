@@ -34,6 +34,7 @@ struct Options {
   bool random_weights = false;
   std::string batches = "1,8";
   int64_t context = 1024;
+  int64_t capacity = 0;  // 0: context + 2 steps + 8
   int steps = 100;
   std::string json, plot;
   bool ops = false;
@@ -243,6 +244,9 @@ void add_common(CLI::App& app, Options* o) {
   app.add_flag("--random-weights", o->random_weights, "Fill the model's shapes with random weights on the GPU");
   app.add_option("--batch", o->batches, "Batch sizes, comma-separated (bench: 1,8; profile: 1)");
   app.add_option("--context", o->context, "Positions already in each sequence's KV cache (default 1024)");
+  app.add_option("--capacity", o->capacity,
+                 "Positions each sequence's KV cache is sized for (default: just above --context); a server "
+                 "sizes it for its longest request");
   app.add_option("--steps", o->steps, "Timed decode steps per batch size (bench: 100; profile: 30)");
   app.add_option("--json", o->json, "Also write the results as JSON to this file");
   app.add_option("--plot", o->plot, "With the per-op times: an SVG of each op against its floor (first batch size)");
@@ -331,7 +335,7 @@ int run_split_bench(const Options* o, const std::vector<int>& batches) {
   std::printf("%6s %9s %11s %11s %9s %9s %8s %9s %10s\n", "batch", "context", "graph ms", "no-graph ms", "floor ms",
               "comm ms", "x floor", "tok/s", "launches");
   const int max_batch = *std::max_element(batches.begin(), batches.end());
-  const int cap = int(o->context) + o->steps * 2 + 8;
+  const int cap = int(std::max<int64_t>(o->context + o->steps * 2 + 8, o->capacity));
   std::vector<std::unique_ptr<cuda::Decoder>> decs(models.size());
   group.run([&](int r) {
     decs[size_t(r)] = std::make_unique<cuda::Decoder>(*models[size_t(r)], max_batch, cap, false, group.link(r));
@@ -420,6 +424,8 @@ int run_bench(const Options* o) {
     const std::vector<int> batches = parse_list(o->batches, "--batch", 256);
     const std::vector<int> prefill = o->prefill.empty() ? std::vector<int>{} : parse_list(o->prefill, "--prefill", 1 << 20);
     if (o->chunk < 1 || o->chunk > 256) fail("--chunk: ", o->chunk, " is outside 1..256");
+    if (o->context < 0 || o->context > (1 << 24)) fail("--context: ", o->context, " is outside 0..", 1 << 24);
+    if (o->capacity < 0 || o->capacity > (1 << 24)) fail("--capacity: ", o->capacity, " is outside 0..", 1 << 24);
     if (o->layout.split()) {
       if (!prefill.empty()) fail("--prefill: not measured on a split model yet (drop --tp/--ep)");
       return run_split_bench(o, batches);
@@ -454,7 +460,7 @@ int run_bench(const Options* o) {
                 "x floor", "tok/s", "launches");
     nlohmann::json results = nlohmann::json::array();
     const int max_batch = *std::max_element(batches.begin(), batches.end());
-    const int cap = int(o->context) + o->steps * 2 + 8;
+    const int cap = int(std::max<int64_t>(o->context + o->steps * 2 + 8, o->capacity));
     cuda::Decoder dec(*dm, max_batch, cap);
     cudaStream_t s;
     KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));

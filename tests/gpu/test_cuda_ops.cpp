@@ -458,8 +458,8 @@ TEST(CudaOps, QkRopeAttentionMatchCpu) {
       cpu::attention(qb.data(), 1, pos[size_t(b)], cs.nq, cs.nkv, cs.hd, 1.0f / std::sqrt(float(cs.hd)), c, 0,
                      ref.data() + size_t(b) * cs.nq * cs.hd, pool);
     }
-    // Chunks of whole blocks, one chunk, and chunks that cut blocks (11: a warp's four positions
-    // may straddle two blocks).
+    // Split counts of both policies, one split, 9 and 7 (GQA attention cuts each sequence's
+    // length into that many chunks of whole blocks; the chunk given is for MLA).
     const cuda::AttentionSplit splits[] = {cuda::attention_split(cap), cuda::attention_split(cap, B * cs.nkv),
                                            cuda::AttentionSplit{1, cap}, cuda::AttentionSplit{9, 8},
                                            cuda::AttentionSplit{7, 11}};

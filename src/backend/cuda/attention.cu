@@ -47,17 +47,20 @@ __device__ __forceinline__ void warp_sums(float (&v)[GH], int lane) {
 // Split-K decode attention (flash-decoding), grouped by KV head: block (KV head and group of GH
 // of its query heads, sequence, split) covers positions [split * chunk, (split + 1) * chunk) of
 // that sequence and loads each key and value row once for its GH query heads (GQA: the
-// cache is read once per group, not once per query head). Each warp keeps an online softmax
-// per head over its share and the block writes one partial (max, sum, weighted values) per head
-// and split. A warp takes kUnroll consecutive positions at a time, kWarps * kUnroll apart between
-// warps; with chunks of whole blocks (attention_split) they lie in one block of the paged cache,
-// so one table entry serves them.
+// cache is read once per group, not once per query head). The chunk comes from the sequence's
+// own length (whole KV blocks, at least one), so a short sequence in a decoder sized for a long
+// context still spreads over every split. Each warp keeps an online softmax per head over its
+// share and the block writes one partial (max, sum, weighted values) per head and split (empty
+// splits too). A warp takes kUnroll consecutive positions at a time, kWarps * kUnroll apart
+// between warps; in chunks of whole blocks they lie in one block of the paged cache, so one
+// table entry serves them.
 template <int kPer, int GH>
 __global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const float* __restrict__ q, int nq, int nkv,
-                                                                       int hd, float scale, int chunk,
+                                                                       int hd, float scale,
                                                                        const int32_t* __restrict__ positions,
                                                                        KvLayer cache, float* __restrict__ part) {
   constexpr int kUnroll = kPer >= 8 ? 2 : 4;  // positions whose rows are loaded before the first is used
+  static_assert(kKvBlock % kUnroll == 0, "a warp's positions lie in one KV block");
   __shared__ float s_m[kWarps][GH], s_l[kWarps][GH], s_acc[kWarps][GH][kPer * 32];
   const int groups = nq / nkv / GH, kvh = blockIdx.x / groups;
   const int h0 = kvh * (nq / nkv) + (blockIdx.x % groups) * GH;
@@ -65,6 +68,7 @@ __global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const fl
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   pdl_enter();
   const int len = positions[b] + 1;
+  const int chunk = ((len + splits - 1) / splits + kKvBlock - 1) / kKvBlock * kKvBlock;
   const int begin = split * chunk, end = min(len, begin + chunk);
   float qr[GH][kPer], acc[GH][kPer], m[GH], l[GH];
   #pragma unroll
@@ -83,21 +87,15 @@ __global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const fl
   const float* vbase = cache.v + size_t(kvh) * hd;
   for (int p0 = begin + warp * kUnroll; p0 < end; p0 += kWarps * kUnroll) {
     float kr[kUnroll][kPer], vr[kUnroll][kPer];
-    const size_t first = kv_offset(cache, b, p0);
+    const size_t first = kv_offset(cache, b, p0);  // p0 .. p0 + kUnroll - 1 share its block
     #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int p = p0 + u;
-      // Positions past the first one's block (only with chunks that are not whole blocks) look
-      // up their own; positions past the end are not read.
-      const size_t at = (p0 & (kKvBlock - 1)) + u < kKvBlock ? first + size_t(u) * cache.row
-                        : p < end                             ? kv_offset(cache, b, p)
-                                                              : 0;
       #pragma unroll
       for (int i = 0; i < kPer; ++i) {
         const int d = lane + 32 * i;
-        const bool ok = p < end && d < hd;
-        kr[u][i] = ok ? kbase[at + d] : 0.0f;
-        vr[u][i] = ok ? vbase[at + d] : 0.0f;
+        const bool ok = p0 + u < end && d < hd;
+        kr[u][i] = ok ? kbase[first + size_t(u) * cache.row + d] : 0.0f;
+        vr[u][i] = ok ? vbase[first + size_t(u) * cache.row + d] : 0.0f;
       }
     }
     #pragma unroll
@@ -226,16 +224,15 @@ namespace {
 
 template <int kPer>
 void launch_partial(int gh, dim3 grid, cudaStream_t s, const float* q, int nq, int nkv, int hd, float scale,
-                    int chunk, const int32_t* positions, const KvLayer& cache, float* scratch) {
+                    const int32_t* positions, const KvLayer& cache, float* scratch) {
   const dim3 block(kWarps * 32);
   switch (gh) {
-    case 1: launch(attention_partial_kernel<kPer, 1>, grid, block, 0, s, q, nq, nkv, hd, scale, chunk, positions, cache, scratch); break;
-    case 2: launch(attention_partial_kernel<kPer, 2>, grid, block, 0, s, q, nq, nkv, hd, scale, chunk, positions, cache, scratch); break;
-    case 4: launch(attention_partial_kernel<kPer, 4>, grid, block, 0, s, q, nq, nkv, hd, scale, chunk, positions, cache, scratch); break;
+    case 1: launch(attention_partial_kernel<kPer, 1>, grid, block, 0, s, q, nq, nkv, hd, scale, positions, cache, scratch); break;
+    case 2: launch(attention_partial_kernel<kPer, 2>, grid, block, 0, s, q, nq, nkv, hd, scale, positions, cache, scratch); break;
+    case 4: launch(attention_partial_kernel<kPer, 4>, grid, block, 0, s, q, nq, nkv, hd, scale, positions, cache, scratch); break;
     default:
       if constexpr (kPer < 8) {
-        launch(attention_partial_kernel<kPer, 8>, grid, block, 0, s, q, nq, nkv, hd, scale, chunk, positions, cache,
-               scratch);
+        launch(attention_partial_kernel<kPer, 8>, grid, block, 0, s, q, nq, nkv, hd, scale, positions, cache, scratch);
       } else {
         fail("internal: ", gh, " query heads per attention block at head_dim ", hd);
       }
@@ -253,10 +250,10 @@ void launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd,
     fail("internal: a KV cache of rows of ", cache.row, " floats for ", nkv, " heads of ", hd);
   const int gh = attention_heads_per_block(nq, nkv, hd);
   const dim3 grid(unsigned(nq / gh), unsigned(batch), unsigned(split.splits));
-  if (hd <= 32) launch_partial<1>(gh, grid, s, q, nq, nkv, hd, scale, split.chunk, positions, cache, scratch);
-  else if (hd <= 64) launch_partial<2>(gh, grid, s, q, nq, nkv, hd, scale, split.chunk, positions, cache, scratch);
-  else if (hd <= 128) launch_partial<4>(gh, grid, s, q, nq, nkv, hd, scale, split.chunk, positions, cache, scratch);
-  else launch_partial<8>(gh, grid, s, q, nq, nkv, hd, scale, split.chunk, positions, cache, scratch);
+  if (hd <= 32) launch_partial<1>(gh, grid, s, q, nq, nkv, hd, scale, positions, cache, scratch);
+  else if (hd <= 64) launch_partial<2>(gh, grid, s, q, nq, nkv, hd, scale, positions, cache, scratch);
+  else if (hd <= 128) launch_partial<4>(gh, grid, s, q, nq, nkv, hd, scale, positions, cache, scratch);
+  else launch_partial<8>(gh, grid, s, q, nq, nkv, hd, scale, positions, cache, scratch);
   KESTREL_CUDA_LAUNCHED();
   launch_attention_combine(scratch, batch, nq, hd, split, out, s);
 }

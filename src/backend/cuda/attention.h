@@ -9,9 +9,10 @@
 
 namespace kestrel::cuda {
 
-// How the positions are cut: `splits` blocks per (head group, sequence), `chunk` positions each.
-// Fixed for a given capacity (and batch) so that one captured graph serves every length up to
-// it; attention_split makes chunks of whole blocks of the paged cache (any chunk works).
+// How the positions are cut: `splits` blocks per (head group, sequence), fixed for a given
+// capacity (and batch) so that one captured graph serves every length up to it. MLA attention
+// takes chunks of `chunk` positions (attention_split makes whole blocks of the paged cache; any
+// chunk works); GQA attention cuts each sequence's own length into `splits` chunks of whole blocks.
 struct AttentionSplit {
   int splits = 1, chunk = 1;
 };

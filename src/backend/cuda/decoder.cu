@@ -384,13 +384,13 @@ void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, Logits rows, bool 
       launch_route(L.moe.router, xn_, batch, moe_.logits, moe_.route_done, moe_.experts, moe_.weights, s);
       op("router", 1, double(L.moe.router.w.bytes()));
       if (split) KESTREL_CUDA_CHECK(cudaMemsetAsync(part_, 0, size_t(batch) * H * 4, s));  // the experts add to it
-      launch_moe_experts(L.moe, xn_, batch, out, moe_, s);
+      const int expert_launches = launch_moe_experts(L.moe, xn_, batch, out, moe_, s);
       // An expert-parallel rank holds local_experts of the num_experts; uniform routing touches its share.
       const double eb = double(m_.expert_bytes(size_t(l))) * expected_experts * L.moe.local_experts / double(c.num_experts);
       const double shared = L.moe.has_shared
                                 ? double(L.moe.shared_gate.bytes() + L.moe.shared_up.bytes() + L.moe.shared_down.bytes())
                                 : 0.0;
-      op("experts", 2, eb + shared);
+      op("experts", expert_launches, eb + shared);
     } else {
       launch_gated(L.gate, L.up, xn_, batch, act_, s);
       op("mlp_gate_up", 1, double(L.gate.bytes() + L.up.bytes()));

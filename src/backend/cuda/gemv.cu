@@ -252,16 +252,7 @@ int mma_min_batch() {
 int linear_fill() {
   static const int v = [] {
     const char* e = std::getenv("KESTREL_LINEAR_FILL");
-    return e ? std::max(0, std::atoi(e)) : 1;
-  }();
-  return v;
-}
-
-// Most warps that split one tile's chunks above 8 tokens (KESTREL_WIDE_KS, for A/B runs).
-int wide_warps_per_tile() {
-  static const int v = [] {
-    const char* e = std::getenv("KESTREL_WIDE_KS");
-    return e ? std::clamp(std::atoi(e), 1, 8) : 8;
+    return e ? std::max(0, std::atoi(e)) : 2;
   }();
   return v;
 }
@@ -303,8 +294,7 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
       for (int i = 0; i < njobs; ++i) {
         J.j[i] = jobs[i];
         J.j[i].y = jobs[i].y + size_t(b0) * jobs[i].w.out;
-        J.ks[i] = mma ? std::min(mma_warps_per_tile(jobs[i].w.in), nb > 8 ? wide_warps_per_tile() : 8)
-                      : warps_per_row(jobs[i].w);
+        J.ks[i] = mma ? mma_warps_per_tile(jobs[i].w.in) : warps_per_row(jobs[i].w);
         const int rows_per_block = (kWarps / J.ks[i]) * rows_per_tile;
         J.blocks[i] = (jobs[i].w.out + rows_per_block - 1) / rows_per_block;
         J.blocks_total += J.blocks[i];
@@ -315,8 +305,8 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
     if (mma) {
       const Jobs J = jobs_for(16);
       // Groups of 8 tokens per block: as many as the pass has (each tile dequantized once), but
-      // fewer, in more block rows, where the tiles alone leave SMs idle (a router of 128 rows is
-      // 8 blocks).
+      // fewer, in more block rows, where the tiles alone give under two blocks per SM (o_proj of
+      // Qwen3-30B-A3B is 128 blocks; docs/PERF.md v14 has the A/B of 0, 1 and 2).
       const int groups = (nb + 7) / 8;
       int G = groups > 4 ? 8 : groups > 2 ? 4 : groups;
       while (G > 1 && J.blocks_total * ((groups + G - 1) / G) < linear_fill() * sm_count()) G /= 2;

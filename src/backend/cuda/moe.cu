@@ -532,8 +532,8 @@ void launch_moe(const DMoe& m, const float* x, int batch, float* residual, const
   launch_moe_experts(m, x, batch, residual, s, stream);
 }
 
-void launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s,
-                        cudaStream_t stream) {
+int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s,
+                       cudaStream_t stream) {
   if (m.expert_gate.out != m.width) fail("internal: DMoe.expert_gate does not describe the experts");
   if (m.local_experts < 1 || m.first_expert < 0 || m.first_expert + m.local_experts > m.router.experts)
     fail("internal: DMoe holds experts ", m.first_expert, " + ", m.local_experts, " of ", m.router.experts);
@@ -571,7 +571,7 @@ void launch_moe_experts(const DMoe& m, const float* x, int batch, float* residua
     launch(slot_sum_kernel, dim3(unsigned((hidden + 255) / 256), unsigned(batch)), dim3(256), 0, stream, m, batch,
            s.experts, s.out, residual);
     KESTREL_CUDA_LAUNCHED();
-    return;
+    return 3;
   }
   // Blocks cover the rows of the widest slot: a block holds (kWarps / ks) * kGateUpRows rows,
   // ks = warps_per_row, which is the same for every routed expert but may differ for the shared one.
@@ -586,6 +586,7 @@ void launch_moe_experts(const DMoe& m, const float* x, int batch, float* residua
   launch(down_kernel, dim3(unsigned((hidden + kDownRows - 1) / kDownRows), unsigned(batch)), dim3(kWarps * 32), 0,
          stream, m, batch, s.experts, s.weights, s.act, s.act_stride, residual);
   KESTREL_CUDA_LAUNCHED();
+  return 2;
 }
 
 }  // namespace kestrel::cuda

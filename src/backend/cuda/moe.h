@@ -67,8 +67,9 @@ struct MoeScratch {
 // each block, so every selected expert's weights (and the shared expert's) are read once for all
 // the tokens that chose it, on tensor cores; then the weighted outputs are added to the residual
 // in slot order.
-void launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s,
-                        cudaStream_t stream);
+// Returns the number of kernels launched (2 per-slot, 3 grouped).
+int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s,
+                       cudaStream_t stream);
 
 // Routing then experts. x: normalized input [B, hidden]; residual: [B, hidden], receives += MoE output.
 void launch_moe(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s, cudaStream_t stream);
