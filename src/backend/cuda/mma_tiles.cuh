@@ -1,4 +1,4 @@
-// NVFP4 and BF16 weights times 2..8 activation rows on tensor cores: mma.sync m16n8k16 with FP16
+// NVFP4 and BF16 weights times groups of up to 8 activation rows on tensor cores: mma.sync m16n8k16 with FP16
 // inputs and FP32 accumulation. A warp holds a 16-row tile; lane (g, j) = (lane / 4, lane % 4) reads,
 // per 64-weight chunk, the 16-weight block j of rows g and g + 8 (8 bytes of codes and one scale
 // each) and the same 16 activations of token g. The four k-steps of a chunk pair the codes
