@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <iterator>
+#include <map>
 #include <numeric>
 #include <random>
 #include <string>
@@ -776,7 +777,7 @@ TEST(CudaOps, MlaAttentionMatchesCpu) {
     }
   }
 
-  std::vector<float> identity_out[2];
+  std::map<std::pair<int, bool>, std::vector<float>> identity_out;  // (splits, sparse)
   for (bool shuffled : {false, true}) {
     SCOPED_TRACE(shuffled ? "shuffled tables" : "identity tables");
     test::PagedKv cache(B, ctx, lat, shuffled, rng);
@@ -793,11 +794,15 @@ TEST(CudaOps, MlaAttentionMatchesCpu) {
       EXPECT_LT(test::rel_l2(cache.k_rows(b, n).data(), host_lat[size_t(b)].data(), int64_t(n) * lat), kTol)
           << "the latent rows of sequence " << b;
     }
+    // One split (this capacity's) and 3 and 7: each row's length (or selection) cut into that many
+    // chunks of whole blocks, empty ones included.
+    for (const cuda::AttentionSplit split : {cuda::attention_split(ctx), cuda::AttentionSplit{3, 16},
+                                             cuda::AttentionSplit{7, 16}})
     for (bool sparse : {false, true}) {
+      SCOPED_TRACE(std::to_string(split.splits) + " splits");
       DeviceBuffer<float> dq(q), dqa(size_t(B) * heads * lat), datt(size_t(B) * heads * m.kv_lora_rank),
           dout(size_t(B) * heads * m.v_head_dim);
       DeviceBuffer<int32_t> dpos(pos);
-      const cuda::AttentionSplit split = cuda::attention_split(ctx);
       DeviceBuffer<float> scratch(cuda::attention_scratch_floats(B, heads, int(m.kv_lora_rank), split));
       std::vector<int32_t> sel(size_t(B) * ctx, 0), cnt(B);
       for (int b = 0; b < B; ++b) {
@@ -815,8 +820,9 @@ TEST(CudaOps, MlaAttentionMatchesCpu) {
       const auto got = dout.download();
       EXPECT_LT(test::rel_l2(got.data(), want[sparse].data(), int64_t(want[sparse].size())), 1e-4)
           << (sparse ? "sparse" : "dense");
-      if (!shuffled) identity_out[sparse] = got;
-      else EXPECT_EQ(got, identity_out[sparse]) << (sparse ? "sparse" : "dense");
+      const std::pair<int, bool> key{split.splits, sparse};
+      if (!shuffled) identity_out[key] = got;
+      else EXPECT_EQ(got, identity_out[key]) << (sparse ? "sparse" : "dense");
     }
   }
 }

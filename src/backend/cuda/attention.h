@@ -10,15 +10,17 @@
 namespace kestrel::cuda {
 
 // How the positions are cut: `splits` blocks per (head group, sequence), fixed for a given
-// capacity (and batch) so that one captured graph serves every length up to it. MLA attention
-// takes chunks of `chunk` positions (attention_split makes whole blocks of the paged cache; any
-// chunk works); GQA attention cuts each sequence's own length into `splits` chunks of whole blocks.
+// capacity (and batch) so that one captured graph serves every length up to it. The kernels cut
+// each sequence's own length (MLA under DSA: its selected rows) into `splits` chunks of whole
+// blocks of the paged cache, so a short sequence in a long-capacity cache uses every split;
+// `chunk` is the chunk at full capacity.
 struct AttentionSplit {
   int splits = 1, chunk = 1;
 };
 // parallel: the blocks of one split (batch x KV heads for launch_decode_attention); with it, the
 // splits fill the GPU (two blocks per SM) and cut long contexts into chunks of at most 256
-// positions. Without (0): chunks of about 64 positions (MLA attention, which sizes its own grid).
+// positions. Without (0): about 64 positions per chunk at full capacity (MLA attention, whose
+// blocks serve 8 heads each).
 // At most 64 splits.
 AttentionSplit attention_split(int max_context, int parallel = 0);
 

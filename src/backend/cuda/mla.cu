@@ -103,7 +103,7 @@ constexpr int kStage = 5;  // float4 loads per thread per tile: kTile * 576 / 4 
 // next tile's loads are in flight while the current one is used; each warp keeps its head's
 // online softmax and rank accumulators and writes one partial per split, as decode attention does.
 __global__ void __launch_bounds__(kMlaHeads * 32) mla_attention_kernel(const float* __restrict__ q, MlaShape m,
-                                                                       float scale, int chunk,
+                                                                       float scale,
                                                                        const int32_t* __restrict__ positions,
                                                                        KvLayer cache, AttentionSelect select,
                                                                        float* __restrict__ part) {
@@ -115,6 +115,8 @@ __global__ void __launch_bounds__(kMlaHeads * 32) mla_attention_kernel(const flo
   const bool active = h < m.heads;
   const int len = select.index ? select.count[b] : positions[b] + 1;
   const int32_t* chosen = select.index ? select.index + size_t(b) * select.stride : nullptr;
+  // The row's own length (positions or selected rows) cut into `splits` chunks of whole KV blocks.
+  const int chunk = ((len + splits - 1) / splits + kKvBlock - 1) / kKvBlock * kKvBlock;
   const int begin = split * chunk, end = min(len, begin + chunk);
   float qr[kMaxKPer], acc[kMaxVPer];
   #pragma unroll
@@ -410,7 +412,7 @@ void launch_mla_attention(const float* q_latent, int batch, const MlaShape& m, f
     fail("internal: an MLA cache of rows of ", cache.row, " floats for latents of ", m.latent());
   const dim3 grid(unsigned(split.splits), unsigned((m.heads + kMlaHeads - 1) / kMlaHeads), unsigned(batch));
   launch(mla_attention_kernel, grid, dim3(kMlaHeads * 32), size_t(2 * kTile * m.latent()) * sizeof(float), s, q_latent, m,
-         scale, split.chunk, positions, cache, select, scratch);
+         scale, positions, cache, select, scratch);
   KESTREL_CUDA_LAUNCHED();
   launch_attention_combine(scratch, batch, m.heads, m.rank, split, out, s);
 }
