@@ -18,6 +18,17 @@ set +e
 tests_rc=$?
 set -e
 grep -E "^\[  FAILED  \]|worst rel|Failure|Expected|Which is|actual" "$OUT/gpu_tests.log" | head -40 || true
+# The linear kernels once more with every token group of a pass in one block row (small matrices
+# otherwise spread them, so 2 and 4 groups per block would go untested).
+if [ -z "${GTEST_FILTER:-}" ]; then
+  set +e
+  KESTREL_LINEAR_FILL=0 "$BUILD/tests/gpu/kestrel_gpu_tests" --gtest_filter='*LinearTest*:CudaOps.ThreeJobs*' \
+    >"$OUT/gpu_tests_fill0.log" 2>&1
+  fill_rc=$?
+  set -e
+  [ $fill_rc -ne 0 ] && tests_rc=$fill_rc
+  grep -E "^\[  FAILED  \]|Failure" "$OUT/gpu_tests_fill0.log" | head -20 || true
+fi
 # With several GPUs, the split tests once more on one of them: the split code path with one rank.
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && [ -z "${GTEST_FILTER:-}" ]; then
   set +e
@@ -145,6 +156,8 @@ fi
 echo
 echo "== kestrel GPU suite =="
 printf "tests: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests.log" | tr '\n' ' ')"
+[ -f "$OUT/gpu_tests_fill0.log" ] &&
+  printf "linear tests, groups in one block row: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests_fill0.log" | tr '\n' ' ')"
 [ -f "$OUT/gpu_tests_one_gpu.log" ] &&
   printf "split tests on one GPU: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests_one_gpu.log" | tr '\n' ' ')"
 grep -h "random Qwen3" "$OUT/gpu_tests.log" || true

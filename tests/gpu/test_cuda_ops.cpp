@@ -139,8 +139,10 @@ INSTANTIATE_TEST_SUITE_P(
                       LinearCase{WeightFormat::NVFP4, 129, 4096, 27}, LinearCase{WeightFormat::NVFP4, 300, 1024, 64},
                       LinearCase{WeightFormat::NVFP4, 77, 256, 70}, LinearCase{WeightFormat::BF16, 129, 776, 40},
                       LinearCase{WeightFormat::BF16, 33, 128, 129},
-                      // Tall enough to keep 8 groups in one block row (small ones spread them over more).
-                      LinearCase{WeightFormat::NVFP4, 20000, 128, 64}, LinearCase{WeightFormat::BF16, 17000, 64, 40}));
+                      // Tall enough for the tiled kernel (a block of 128 rows per SM), 8, 2 and 4 groups
+                      // in one block row (small matrices spread them over more).
+                      LinearCase{WeightFormat::NVFP4, 20000, 128, 64}, LinearCase{WeightFormat::BF16, 17000, 64, 40},
+                      LinearCase{WeightFormat::NVFP4, 17000, 128, 16}, LinearCase{WeightFormat::BF16, 17000, 192, 27}));
 
 TEST(CudaOps, ThreeJobsInOneLaunch) {
   std::mt19937 rng(7);

@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "backend/cuda/check.h"
@@ -137,6 +138,103 @@ __global__ void __launch_bounds__(kWarps * 32, 2) mma_linear_wide_kernel(Jobs jo
   }
 }
 
+// 9..64 tokens, tiled: a block holds kWarps tiles of 16 rows (128 rows) and G groups of 8 tokens,
+// and every warp walks all chunks of its tile. The activations of a chunk are loaded once per
+// block and split into FP16 hi + lo fragments (x_split) in shared memory by the first G warps,
+// one group each, then read by all kWarps warps: the wide kernel's blocks each read the whole
+// activation matrix for 16 rows. Loads run ahead of their use: each warp keeps the raw weights of
+// the next D chunks in registers, and the activations of the next chunk are loaded one chunk
+// before they are split (two register sets, by chunk parity). Numerically identical to the wide
+// kernel (same fragments, same k order, one warp per tile).
+template <int G, bool kFp4>
+__global__ void __launch_bounds__(kWarps * 32, 1) mma_linear_tiled_kernel(Jobs jobs, const float* __restrict__ x,
+                                                                         int nb, int accumulate) {
+  constexpr int D = kFp4 ? 4 : 2;  // weight chunks in flight per warp (even: see the parity below)
+  using Raw = std::conditional_t<kFp4, Nvfp4Raw, Bf16Raw>;
+  __shared__ uint32_t xs[2][G][16][32];  // [buffer][group][fragment word][lane]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int blk = blockIdx.x, jb = 0;
+  while (blk >= jobs.blocks[jb]) blk -= jobs.blocks[jb++];
+  const DLinear& W = jobs.j[jb].w;
+  const int r0 = (blk * kWarps + warp) * 16, t0 = int(blockIdx.y) * 8 * G;
+  const int g = lane >> 2, j = lane & 3, C = W.in / 64;
+  const int ra = min(r0 + g, W.out - 1), rb = min(r0 + g + 8, W.out - 1);
+  auto raw = [&](int c) {
+    if constexpr (kFp4) return nvfp4_raw(W, ra, rb, c, j);
+    else return bf16_raw(W, ra, rb, c, j);
+  };
+  Raw ring[D];  // chunk c's bytes in ring[c % D]: weights do not depend on the previous kernel
+  #pragma unroll
+  for (int i = 0; i < D; ++i)
+    if (i < C) ring[i] = raw(i);
+  pdl_enter();
+  const bool producer = warp < G;
+  const int token = t0 + 8 * warp + g;  // the token whose activations this lane stages
+  const float* xg = producer && token < nb ? x + size_t(token) * W.in : nullptr;
+  auto stage = [&](const float (&f)[16], int buf) {
+    const XFrag xf = x_split<kFp4>(f);
+    #pragma unroll
+    for (int t = 0; t < 4; ++t)
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        xs[buf][warp][4 * t + 2 * h][lane] = xf.hi[t][h];
+        xs[buf][warp][4 * t + 2 * h + 1][lane] = xf.lo[t][h];
+      }
+  };
+  float xr[2][16];  // activations of chunks of parity 0 and 1, loaded ahead
+  if (producer) {
+    x_load(xg, 0, j, xr[0]);
+    stage(xr[0], 0);
+    if (C > 1) x_load(xg, 1, j, xr[1]);
+  }
+  __syncthreads();
+  float acc[G][4];
+  #pragma unroll
+  for (int q = 0; q < G; ++q) acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = 0.0f;
+  for (int c0 = 0; c0 < C; c0 += D) {
+    #pragma unroll
+    for (int i = 0; i < D; ++i) {
+      const int c = c0 + i, p = i & 1;  // c0 is a multiple of D (even): c % 2 == p
+      if (c >= C) break;  // C is the same for the whole block
+      if (producer && c + 2 < C) x_load(xg, c + 2, j, xr[p]);  // chunk c was staged an iteration ago
+      const AFrag A = a_frag_of(ring[i]);
+      if (c + D < C) ring[i] = raw(c + D);
+      #pragma unroll
+      for (int q = 0; q < G; ++q) {
+        XFrag xf;
+        #pragma unroll
+        for (int t = 0; t < 4; ++t)
+          #pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            xf.hi[t][h] = xs[p][q][4 * t + 2 * h][lane];
+            xf.lo[t][h] = xs[p][q][4 * t + 2 * h + 1][lane];
+          }
+        mma_afrag(A, xf, acc[q]);
+      }
+      if (producer && c + 1 < C) stage(xr[p ^ 1], p ^ 1);
+      __syncthreads();
+    }
+  }
+  if (r0 >= W.out) return;
+  float* y = jobs.j[jb].y + size_t(t0) * W.out;
+  const float k = mma_unscale(W);
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = r0 + g + 8 * h;
+    if (row >= W.out) continue;
+    const float bias = W.bias ? W.bias[row] : 0.0f;
+    #pragma unroll
+    for (int q = 0; q < G; ++q)
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int b = 8 * q + 2 * j + e;
+        if (b >= nb - t0) continue;
+        float* out = y + size_t(b) * W.out + row;
+        *out = (accumulate ? *out : 0.0f) + acc[q][2 * h + e] * k + bias;
+      }
+  }
+}
+
 template <int B>
 __global__ void __launch_bounds__(kWarps * 32) gated_kernel(DLinear gate, DLinear up, int ks, const float* __restrict__ x,
                                                             float* __restrict__ out) {
@@ -257,6 +355,16 @@ int linear_fill() {
   return v;
 }
 
+// Above 8 tokens, the tiled kernel for large matrices whose jobs share one format
+// (KESTREL_LINEAR_TILED=0: the wide kernel, for A/B runs).
+bool linear_tiled() {
+  static const bool on = [] {
+    const char* e = std::getenv("KESTREL_LINEAR_TILED");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
+
 template <typename F>
 void by_batch(int batch, F&& f) {
   switch (batch) {
@@ -276,10 +384,11 @@ void by_batch(int batch, F&& f) {
 
 void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, bool accumulate, cudaStream_t s) {
   if (njobs < 1 || njobs > 3) fail("internal: launch_linear takes 1 to 3 jobs");
-  bool tc = true, bf16 = true;  // every job fits the tensor-core tiles; every job is BF16
+  bool tc = true, bf16 = true, fp4 = true;  // every job fits the tensor-core tiles; is BF16; is NVFP4
   for (int i = 0; i < njobs; ++i) {
     tc &= (jobs[i].w.format == DFormat::NVFP4 || jobs[i].w.format == DFormat::BF16) && jobs[i].w.in % 64 == 0;
     bf16 &= jobs[i].w.format == DFormat::BF16;
+    fp4 &= jobs[i].w.format == DFormat::NVFP4;
   }
   // Passes of up to 64 tokens on tensor cores, else of up to 8 on CUDA cores. One token takes
   // tensor cores for BF16 only: its conversion is cheap, NVFP4's dequantization is not, and a
@@ -301,8 +410,43 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
       }
       return J;
     };
+    // The tiled kernel: tiles of one block are rows of one format (every job of a launch shares x).
+    auto jobs_for_tiles = [&] {
+      Jobs J{};
+      J.n = njobs;
+      for (int i = 0; i < njobs; ++i) {
+        J.j[i] = jobs[i];
+        J.j[i].y = jobs[i].y + size_t(b0) * jobs[i].w.out;
+        J.ks[i] = 1;
+        J.blocks[i] = (jobs[i].w.out + kWarps * 16 - 1) / (kWarps * 16);
+        J.blocks_total += J.blocks[i];
+      }
+      return J;
+    };
     const int acc = accumulate ? 1 : 0;
-    if (mma) {
+    // Tiled only where its 128-row blocks alone give every SM one: with fewer, its chunk loop
+    // (a barrier per chunk, one block per SM) is slower than the wide kernel (docs/PERF.md v15).
+    const Jobs Jt = jobs_for_tiles();
+    if (mma && nb > 8 && (fp4 || bf16) && linear_tiled() && Jt.blocks_total >= sm_count()) {
+      // Token groups spread over block rows below linear_fill() / 2 blocks per SM (one block per
+      // SM fits, for registers), as the wide kernel's below linear_fill().
+      const Jobs& J = Jt;
+      const int groups = (nb + 7) / 8;
+      int G = groups > 4 ? 8 : groups > 2 ? 4 : groups;
+      while (G > 1 && 2 * J.blocks_total * ((groups + G - 1) / G) < linear_fill() * sm_count()) G /= 2;
+      const dim3 grid(unsigned(J.blocks_total), unsigned((groups + G - 1) / G)), block(kWarps * 32);
+      auto go = [&](auto fp4) {
+        constexpr bool kFp4 = decltype(fp4)::value;
+        switch (G) {
+          case 1: launch(mma_linear_tiled_kernel<1, kFp4>, grid, block, 0, s, J, xb, nb, acc); break;
+          case 2: launch(mma_linear_tiled_kernel<2, kFp4>, grid, block, 0, s, J, xb, nb, acc); break;
+          case 4: launch(mma_linear_tiled_kernel<4, kFp4>, grid, block, 0, s, J, xb, nb, acc); break;
+          default: launch(mma_linear_tiled_kernel<8, kFp4>, grid, block, 0, s, J, xb, nb, acc); break;
+        }
+      };
+      if (fp4) go(std::true_type{});
+      else go(std::false_type{});
+    } else if (mma) {
       const Jobs J = jobs_for(16);
       // Groups of 8 tokens per block: as many as the pass has (each tile dequantized once), but
       // fewer, in more block rows, where the tiles alone give under two blocks per SM (o_proj of

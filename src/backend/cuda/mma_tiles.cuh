@@ -64,14 +64,18 @@ struct XFrag {
   uint32_t hi[4][2], lo[4][2];  // k-step t: (k 2j, 2j + 1) and (k 2j + 8, 2j + 9)
 };
 
-template <bool Fp4>
-__device__ __forceinline__ XFrag x_frag(const float* __restrict__ xg, int c, int j) {
-  float f[16];
+// Lane (g, j)'s 16 activations of chunk c (zeros for a null row), and their split into fragments:
+// x_frag in two halves, so that a pipelined kernel can issue the loads ahead of the split.
+__device__ __forceinline__ void x_load(const float* __restrict__ xg, int c, int j, float (&f)[16]) {
   #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float4 v = xg ? *reinterpret_cast<const float4*>(xg + 64 * c + 16 * j + 4 * i) : make_float4(0.f, 0.f, 0.f, 0.f);
     f[4 * i] = v.x, f[4 * i + 1] = v.y, f[4 * i + 2] = v.z, f[4 * i + 3] = v.w;
   }
+}
+
+template <bool Fp4>
+__device__ __forceinline__ XFrag x_split(const float (&f)[16]) {
   XFrag x;
   #pragma unroll
   for (int t = 0; t < 4; ++t) {
@@ -86,6 +90,13 @@ __device__ __forceinline__ XFrag x_frag(const float* __restrict__ xg, int c, int
   return x;
 }
 
+template <bool Fp4>
+__device__ __forceinline__ XFrag x_frag(const float* __restrict__ xg, int c, int j) {
+  float f[16];
+  x_load(xg, c, j, f);
+  return x_split<Fp4>(f);
+}
+
 // The A fragments of chunk c (weights [64c, 64c + 64)) of the tile's rows ra = r0 + g and
 // rb = r0 + g + 8, for the chunk's four k-steps: dequantized once, they serve every group of 8
 // tokens multiplied by the chunk (mma_afrag).
@@ -93,30 +104,55 @@ struct AFrag {
   uint32_t a[4][4];
 };
 
-__device__ __forceinline__ AFrag nvfp4_a_frag(const DLinear& W, int ra, int rb, int c, int j) {
+// The bytes of chunk c that lane (g, j) reads (nvfp4_raw, bf16_raw) and their conversion into A
+// fragments (a_frag_of): apart, so that a pipelined kernel can keep several chunks' loads in flight.
+struct Nvfp4Raw {
+  uint2 qa, qb;    // 16 codes of rows ra and rb
+  uint32_t sa, sb;  // their E4M3 block scales
+};
+
+__device__ __forceinline__ Nvfp4Raw nvfp4_raw(const DLinear& W, int ra, int rb, int c, int j) {
   const int K = W.in;
-  const uint2 qa = __ldg(reinterpret_cast<const uint2*>(W.data + size_t(ra) * (K / 2)) + 4 * c + j);
-  const uint2 qb = __ldg(reinterpret_cast<const uint2*>(W.data + size_t(rb) * (K / 2)) + 4 * c + j);
-  const uint8_t sa = __ldg(W.scales + size_t(ra) * (K / 16) + 4 * c + j);
-  const uint8_t sb = __ldg(W.scales + size_t(rb) * (K / 16) + 4 * c + j);
-  const __half2 ha = bits_h2(scale_h2(sa)), hb = bits_h2(scale_h2(sb));
+  Nvfp4Raw r;
+  r.qa = __ldg(reinterpret_cast<const uint2*>(W.data + size_t(ra) * (K / 2)) + 4 * c + j);
+  r.qb = __ldg(reinterpret_cast<const uint2*>(W.data + size_t(rb) * (K / 2)) + 4 * c + j);
+  r.sa = __ldg(W.scales + size_t(ra) * (K / 16) + 4 * c + j);
+  r.sb = __ldg(W.scales + size_t(rb) * (K / 16) + 4 * c + j);
+  return r;
+}
+
+__device__ __forceinline__ AFrag a_frag_of(const Nvfp4Raw& r) {
+  const __half2 ha = bits_h2(scale_h2(uint8_t(r.sa))), hb = bits_h2(scale_h2(uint8_t(r.sb)));
   AFrag f;
   #pragma unroll
   for (int t = 0; t < 4; ++t) {
-    f.a[t][0] = h2_bits(__hmul2(bits_h2(e2m1_pair(qa.x, t)), ha));
-    f.a[t][1] = h2_bits(__hmul2(bits_h2(e2m1_pair(qb.x, t)), hb));
-    f.a[t][2] = h2_bits(__hmul2(bits_h2(e2m1_pair(qa.y, t)), ha));
-    f.a[t][3] = h2_bits(__hmul2(bits_h2(e2m1_pair(qb.y, t)), hb));
+    f.a[t][0] = h2_bits(__hmul2(bits_h2(e2m1_pair(r.qa.x, t)), ha));
+    f.a[t][1] = h2_bits(__hmul2(bits_h2(e2m1_pair(r.qb.x, t)), hb));
+    f.a[t][2] = h2_bits(__hmul2(bits_h2(e2m1_pair(r.qa.y, t)), ha));
+    f.a[t][3] = h2_bits(__hmul2(bits_h2(e2m1_pair(r.qb.y, t)), hb));
   }
   return f;
 }
 
+__device__ __forceinline__ AFrag nvfp4_a_frag(const DLinear& W, int ra, int rb, int c, int j) {
+  return a_frag_of(nvfp4_raw(W, ra, rb, c, j));
+}
+
 // The same for BF16 rows: 32 bytes of each row per lane and chunk.
-__device__ __forceinline__ AFrag bf16_a_frag(const DLinear& W, int ra, int rb, int c, int j) {
+struct Bf16Raw {
+  uint4 wa[2], wb[2];
+};
+
+__device__ __forceinline__ Bf16Raw bf16_raw(const DLinear& W, int ra, int rb, int c, int j) {
   const int K = W.in;
   const uint4* pa = reinterpret_cast<const uint4*>(W.data + (size_t(ra) * K + 64 * c + 16 * j) * 2);
   const uint4* pb = reinterpret_cast<const uint4*>(W.data + (size_t(rb) * K + 64 * c + 16 * j) * 2);
-  const uint4 wa[2] = {__ldg(pa), __ldg(pa + 1)}, wb[2] = {__ldg(pb), __ldg(pb + 1)};
+  Bf16Raw r;
+  r.wa[0] = __ldg(pa), r.wa[1] = __ldg(pa + 1), r.wb[0] = __ldg(pb), r.wb[1] = __ldg(pb + 1);
+  return r;
+}
+
+__device__ __forceinline__ AFrag a_frag_of(const Bf16Raw& r) {
   auto word = [](const uint4 (&w)[2], int i) {  // BF16 weights (2i, 2i + 1) of the 16
     const uint4& q = w[i / 4];
     return (i & 3) == 0 ? q.x : (i & 3) == 1 ? q.y : (i & 3) == 2 ? q.z : q.w;
@@ -127,12 +163,16 @@ __device__ __forceinline__ AFrag bf16_a_frag(const DLinear& W, int ra, int rb, i
   AFrag f;
   #pragma unroll
   for (int t = 0; t < 4; ++t) {
-    f.a[t][0] = to_h2(word(wa, t));
-    f.a[t][1] = to_h2(word(wb, t));
-    f.a[t][2] = to_h2(word(wa, 4 + t));
-    f.a[t][3] = to_h2(word(wb, 4 + t));
+    f.a[t][0] = to_h2(word(r.wa, t));
+    f.a[t][1] = to_h2(word(r.wb, t));
+    f.a[t][2] = to_h2(word(r.wa, 4 + t));
+    f.a[t][3] = to_h2(word(r.wb, 4 + t));
   }
   return f;
+}
+
+__device__ __forceinline__ AFrag bf16_a_frag(const DLinear& W, int ra, int rb, int c, int j) {
+  return a_frag_of(bf16_raw(W, ra, rb, c, j));
 }
 
 __device__ __forceinline__ AFrag a_frag(const DLinear& W, int ra, int rb, int c, int j) {
