@@ -141,6 +141,8 @@ if [ -z "${SKIP_BENCH:-}" ]; then
       bench "$m-l$n" --config "configs/$m-nvfp4.json" --random-weights --layers "$n" --batch 1,8 --context 1024 --steps 30
     done
   done
+  bench glm-5-l5-cap32k --config configs/glm-5-nvfp4.json --random-weights --layers 5 --batch 1,8 --context 1024 \
+    --capacity 32768 --steps 30
   bench glm-5-l5-ctx4k --config configs/glm-5-nvfp4.json --random-weights --layers 5 --batch 1 --context 4096 --steps 30 --ops
   python3 scripts/extrapolate_layers.py "$OUT" glm-5:78 deepseek-v3:61 | tee -a "$OUT/bench.txt"
 fi

@@ -253,6 +253,9 @@ __global__ void __launch_bounds__(kScoreThreads) index_scores_kernel(const float
   const int b = blockIdx.y, g = threadIdx.x % kScoreLanes, stride = x.dim + 4;
   const int j = blockIdx.x * (kScoreThreads / kScoreLanes) + threadIdx.x / kScoreLanes;
   pdl_enter();
+  // The grid covers the capacity; blocks past the row's position leave before staging the queries
+  // (a cache sized for 32k positions holding 1k would otherwise stage them 30 times over).
+  if (int(blockIdx.x) * (kScoreThreads / kScoreLanes) > positions[b]) return;
   float* qs = sm;
   float* ws = sm + x.heads * stride;
   for (int i = threadIdx.x; i < x.heads * x.dim; i += blockDim.x)
