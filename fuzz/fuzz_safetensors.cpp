@@ -13,7 +13,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (const auto& [name, t] : idx.tensors()) {
       if (t.data < data || t.data + t.nbytes > data + size) std::abort();
       volatile uint8_t sink = 0;
-      for (size_t i = 0; i < t.nbytes; i += 4096) sink ^= t.data[i];
+      for (size_t i = 0; i < t.nbytes; i += 4096) sink = uint8_t(sink ^ t.data[i]);
       (void)sink;
     }
   } catch (const kestrel::Error&) {

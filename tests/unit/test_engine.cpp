@@ -314,7 +314,9 @@ TEST_F(EngineTest, CancelEndsEveryChoice) {
       bool as_asked = true;
       for (int i = 0; i < 3; ++i) {
         const Finish want = choice < 0 || choice == i ? Finish::Cancelled : Finish::Length;
-        if (i != choice && choice >= 0) EXPECT_EQ(rest[size_t(i)].finish, Finish::Length) << "choice " << i;
+        if (i != choice && choice >= 0) {
+          EXPECT_EQ(rest[size_t(i)].finish, Finish::Length) << "choice " << i;
+        }
         as_asked = as_asked && rest[size_t(i)].finish == want;
       }
       if (as_asked) return true;
