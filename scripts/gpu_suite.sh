@@ -18,26 +18,24 @@ set +e
 tests_rc=$?
 set -e
 grep -E "^\[  FAILED  \]|worst rel|Failure|Expected|Which is|actual" "$OUT/gpu_tests.log" | head -40 || true
-# The linear kernels once more with every token group of a pass in one block row (small matrices
-# otherwise spread them, so 2 and 4 groups per block would go untested).
+# rerun LOG FILTER [VAR=VALUE ...]: a subset of the GPU tests once more, in another setting.
+rerun() {
+  local log=$1 filter=$2; shift 2
+  set +e
+  env "$@" "$BUILD/tests/gpu/kestrel_gpu_tests" --gtest_filter="$filter" >"$OUT/$log" 2>&1
+  local rc=$?
+  set -e
+  [ $rc -ne 0 ] && tests_rc=$rc
+  grep -E "^\[  FAILED  \]|Failure" "$OUT/$log" | head -20 || true
+}
 if [ -z "${GTEST_FILTER:-}" ]; then
-  set +e
-  KESTREL_LINEAR_FILL=0 "$BUILD/tests/gpu/kestrel_gpu_tests" --gtest_filter='*LinearTest*:CudaOps.ThreeJobs*' \
-    >"$OUT/gpu_tests_fill0.log" 2>&1
-  fill_rc=$?
-  set -e
-  [ $fill_rc -ne 0 ] && tests_rc=$fill_rc
-  grep -E "^\[  FAILED  \]|Failure" "$OUT/gpu_tests_fill0.log" | head -20 || true
-fi
-# With several GPUs, the split tests once more on one of them: the split code path with one rank.
-if [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && [ -z "${GTEST_FILTER:-}" ]; then
-  set +e
-  CUDA_VISIBLE_DEVICES=0 "$BUILD/tests/gpu/kestrel_gpu_tests" --gtest_filter='*Split*:RankGroup*:CudaCommOneRank*' \
-    >"$OUT/gpu_tests_one_gpu.log" 2>&1
-  one_rc=$?
-  set -e
-  [ $one_rc -ne 0 ] && tests_rc=$one_rc
-  grep -E "^\[  FAILED  \]|Failure" "$OUT/gpu_tests_one_gpu.log" | head -20 || true
+  # The linear kernels with every token group of a pass in one block row (small matrices
+  # otherwise spread them, so 2 and 4 groups per block would go untested).
+  rerun gpu_tests_fill0.log '*LinearTest*:CudaOps.ThreeJobs*' KESTREL_LINEAR_FILL=0
+  # With several GPUs, the split tests on one of them: the split code path with one rank.
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    rerun gpu_tests_one_gpu.log '*Split*:RankGroup*:CudaCommOneRank*' CUDA_VISIBLE_DEVICES=0
+  fi
 fi
 
 # The commands on the GPU: a fixture's logits through `--device cuda` against `--device cpu`.

@@ -60,6 +60,30 @@ __global__ void __launch_bounds__(kWarps * 32) linear_kernel(Jobs jobs, const fl
   }
 }
 
+// Writes a tile's accumulators (G groups of 8 tokens; `count` tokens valid from y's first row)
+// times the tile scale k, plus the bias, into y (added to what is there when accumulating).
+template <int G>
+__device__ __forceinline__ void store_tile(const DLinear& W, float* y, int r0, int lane, int count,
+                                           const float (&acc)[G][4], int accumulate) {
+  const int g = lane >> 2, j = lane & 3;
+  const float k = mma_unscale(W);
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = r0 + g + 8 * h;
+    if (row >= W.out) continue;
+    const float bias = W.bias ? W.bias[row] : 0.0f;
+    #pragma unroll
+    for (int q = 0; q < G; ++q)
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int b = 8 * q + 2 * j + e;
+        if (b >= count) continue;
+        float* p = y + size_t(b) * W.out + row;
+        *p = (accumulate ? *p : 0.0f) + acc[q][2 * h + e] * k + bias;
+      }
+  }
+}
+
 // Tensor cores (mma_tiles.cuh), every job NVFP4 or BF16 with K % 64 == 0, up to 64 tokens (nb)
 // per launch. A block holds kWarps / ks tiles of 16 rows; the ks warps of a tile take its chunks
 // in turn and their accumulators are added in warp order. Each chunk of a tile is dequantized
@@ -119,23 +143,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) mma_linear_wide_kernel(Jobs jo
         for (int i = 0; i < 4; ++i) acc[q][i] += red[w][4 * q + i][lane];
   }
   if (r0 >= W.out) return;
-  float* y = jobs.j[jb].y + size_t(t0) * W.out;
-  const float k = mma_unscale(W);
-  #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = r0 + g + 8 * h;
-    if (row >= W.out) continue;
-    const float bias = W.bias ? W.bias[row] : 0.0f;
-    #pragma unroll
-    for (int q = 0; q < G; ++q)
-      #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int b = 8 * q + 2 * j + e;
-        if (b >= nb) continue;
-        float* p = y + size_t(b) * W.out + row;
-        *p = (accumulate ? *p : 0.0f) + acc[q][2 * h + e] * k + bias;
-      }
-  }
+  store_tile<G>(W, jobs.j[jb].y + size_t(t0) * W.out, r0, lane, nb, acc, accumulate);
 }
 
 // 9..64 tokens, tiled: a block holds kWarps tiles of 16 rows (128 rows) and G groups of 8 tokens,
@@ -216,23 +224,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) mma_linear_tiled_kernel(Jobs j
     }
   }
   if (r0 >= W.out) return;
-  float* y = jobs.j[jb].y + size_t(t0) * W.out;
-  const float k = mma_unscale(W);
-  #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = r0 + g + 8 * h;
-    if (row >= W.out) continue;
-    const float bias = W.bias ? W.bias[row] : 0.0f;
-    #pragma unroll
-    for (int q = 0; q < G; ++q)
-      #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int b = 8 * q + 2 * j + e;
-        if (b >= nb - t0) continue;
-        float* out = y + size_t(b) * W.out + row;
-        *out = (accumulate ? *out : 0.0f) + acc[q][2 * h + e] * k + bias;
-      }
-  }
+  store_tile<G>(W, jobs.j[jb].y + size_t(t0) * W.out, r0, lane, nb - t0, acc, accumulate);
 }
 
 template <int B>
@@ -365,18 +357,24 @@ bool linear_tiled() {
   return on;
 }
 
+// Groups of 8 tokens per block for a pass of nb tokens over `blocks` row blocks: as many as the
+// pass has (each tile dequantized once), halved while the grid would have fewer than min_blocks.
+int groups_per_block(int nb, int blocks, int min_blocks) {
+  const int groups = (nb + 7) / 8;
+  int G = groups > 4 ? 8 : groups > 2 ? 4 : groups;
+  while (G > 1 && blocks * ((groups + G - 1) / G) < min_blocks) G /= 2;
+  return G;
+}
+
+// f(std::integral_constant<int, G>) for G = 1, 2, 4 or 8.
 template <typename F>
-void by_batch(int batch, F&& f) {
-  switch (batch) {
+void by_groups(int G, F&& f) {
+  switch (G) {
     case 1: f(std::integral_constant<int, 1>{}); break;
     case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
     case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
     case 8: f(std::integral_constant<int, 8>{}); break;
-    default: fail("internal: batch ", batch, " outside 1..8");
+    default: fail("internal: ", G, " token groups per block");
   }
 }
 
@@ -397,73 +395,45 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
     const bool mma = tc && (batch - b0 >= mma_min_batch() || bf16);
     nb = std::min(mma ? 64 : 8, batch - b0);
     const float* xb = x + size_t(b0) * jobs[0].w.in;
-    auto jobs_for = [&](int rows_per_tile) {
+    // Blocks of (kWarps / ks) tiles of rows_per_tile rows; the tiled kernel has one warp per tile.
+    auto jobs_for = [&](int rows_per_tile, bool tiled) {
       Jobs J{};
       J.n = njobs;
       for (int i = 0; i < njobs; ++i) {
         J.j[i] = jobs[i];
         J.j[i].y = jobs[i].y + size_t(b0) * jobs[i].w.out;
-        J.ks[i] = mma ? mma_warps_per_tile(jobs[i].w.in) : warps_per_row(jobs[i].w);
+        J.ks[i] = tiled ? 1 : mma ? mma_warps_per_tile(jobs[i].w.in) : warps_per_row(jobs[i].w);
         const int rows_per_block = (kWarps / J.ks[i]) * rows_per_tile;
         J.blocks[i] = (jobs[i].w.out + rows_per_block - 1) / rows_per_block;
         J.blocks_total += J.blocks[i];
       }
       return J;
     };
-    // The tiled kernel: tiles of one block are rows of one format (every job of a launch shares x).
-    auto jobs_for_tiles = [&] {
-      Jobs J{};
-      J.n = njobs;
-      for (int i = 0; i < njobs; ++i) {
-        J.j[i] = jobs[i];
-        J.j[i].y = jobs[i].y + size_t(b0) * jobs[i].w.out;
-        J.ks[i] = 1;
-        J.blocks[i] = (jobs[i].w.out + kWarps * 16 - 1) / (kWarps * 16);
-        J.blocks_total += J.blocks[i];
-      }
-      return J;
-    };
     const int acc = accumulate ? 1 : 0;
+    const int groups = (nb + 7) / 8;
     // Tiled only where its 128-row blocks alone give every SM one: with fewer, its chunk loop
     // (a barrier per chunk, one block per SM) is slower than the wide kernel (docs/PERF.md v15).
-    const Jobs Jt = jobs_for_tiles();
-    if (mma && nb > 8 && (fp4 || bf16) && linear_tiled() && Jt.blocks_total >= sm_count()) {
+    const bool tiled = mma && nb > 8 && (fp4 || bf16) && linear_tiled();
+    const Jobs Jt = tiled ? jobs_for(16, true) : Jobs{};
+    if (tiled && Jt.blocks_total >= sm_count()) {
       // Token groups spread over block rows below linear_fill() / 2 blocks per SM (one block per
       // SM fits, for registers), as the wide kernel's below linear_fill().
-      const Jobs& J = Jt;
-      const int groups = (nb + 7) / 8;
-      int G = groups > 4 ? 8 : groups > 2 ? 4 : groups;
-      while (G > 1 && 2 * J.blocks_total * ((groups + G - 1) / G) < linear_fill() * sm_count()) G /= 2;
-      const dim3 grid(unsigned(J.blocks_total), unsigned((groups + G - 1) / G)), block(kWarps * 32);
-      auto go = [&](auto fp4) {
-        constexpr bool kFp4 = decltype(fp4)::value;
-        switch (G) {
-          case 1: launch(mma_linear_tiled_kernel<1, kFp4>, grid, block, 0, s, J, xb, nb, acc); break;
-          case 2: launch(mma_linear_tiled_kernel<2, kFp4>, grid, block, 0, s, J, xb, nb, acc); break;
-          case 4: launch(mma_linear_tiled_kernel<4, kFp4>, grid, block, 0, s, J, xb, nb, acc); break;
-          default: launch(mma_linear_tiled_kernel<8, kFp4>, grid, block, 0, s, J, xb, nb, acc); break;
-        }
-      };
-      if (fp4) go(std::true_type{});
-      else go(std::false_type{});
+      const int G = groups_per_block(nb, Jt.blocks_total, (linear_fill() * sm_count() + 1) / 2);
+      const dim3 grid(unsigned(Jt.blocks_total), unsigned((groups + G - 1) / G)), block(kWarps * 32);
+      by_groups(G, [&](auto g) {
+        if (fp4) launch(mma_linear_tiled_kernel<g(), true>, grid, block, 0, s, Jt, xb, nb, acc);
+        else launch(mma_linear_tiled_kernel<g(), false>, grid, block, 0, s, Jt, xb, nb, acc);
+      });
     } else if (mma) {
-      const Jobs J = jobs_for(16);
-      // Groups of 8 tokens per block: as many as the pass has (each tile dequantized once), but
-      // fewer, in more block rows, where the tiles alone give under two blocks per SM (o_proj of
-      // Qwen3-30B-A3B is 128 blocks; docs/PERF.md v14 has the A/B of 0, 1 and 2).
-      const int groups = (nb + 7) / 8;
-      int G = groups > 4 ? 8 : groups > 2 ? 4 : groups;
-      while (G > 1 && J.blocks_total * ((groups + G - 1) / G) < linear_fill() * sm_count()) G /= 2;
+      // Fewer groups per block, in more block rows, where the tiles alone give under two blocks
+      // per SM (o_proj of Qwen3-30B-A3B is 128 blocks; docs/PERF.md v14 has the A/B of 0, 1 and 2).
+      const Jobs J = jobs_for(16, false);
+      const int G = groups_per_block(nb, J.blocks_total, linear_fill() * sm_count());
       const dim3 grid(unsigned(J.blocks_total), unsigned((groups + G - 1) / G)), block(kWarps * 32);
-      switch (G) {
-        case 1: launch(mma_linear_wide_kernel<1>, grid, block, 0, s, J, xb, nb, acc); break;
-        case 2: launch(mma_linear_wide_kernel<2>, grid, block, 0, s, J, xb, nb, acc); break;
-        case 4: launch(mma_linear_wide_kernel<4>, grid, block, 0, s, J, xb, nb, acc); break;
-        default: launch(mma_linear_wide_kernel<8>, grid, block, 0, s, J, xb, nb, acc); break;
-      }
+      by_groups(G, [&](auto g) { launch(mma_linear_wide_kernel<g()>, grid, block, 0, s, J, xb, nb, acc); });
     } else {
       by_batch(nb, [&](auto B) {
-        const Jobs J = jobs_for(rows_per_warp<B()>());
+        const Jobs J = jobs_for(rows_per_warp<B()>(), false);
         launch(linear_kernel<B()>, dim3(unsigned(J.blocks_total)), dim3(kWarps * 32), 0, s, J, xb, acc);
       });
     }

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "backend/cuda/check.h"
@@ -53,6 +54,22 @@ __device__ __forceinline__ void prefetch_bytes_l2(const void* p, size_t bytes) {
   const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
   for (uintptr_t a = begin + uintptr_t(threadIdx.x) * 128; a < end; a += uintptr_t(blockDim.x) * 128)
     prefetch_l2(reinterpret_cast<const void*>(a));
+}
+
+// f(std::integral_constant<int, B>) for a batch B of 1 to 8: kernels templated on their token count.
+template <typename F>
+void by_batch(int batch, F&& f) {
+  switch (batch) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    default: fail("internal: batch ", batch, " outside 1..8");
+  }
 }
 
 // Launches kernel<<<grid, block, smem, s>>>(args...), with PDL when `pdl` and PDL is enabled and

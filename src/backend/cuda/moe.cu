@@ -2,7 +2,6 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdlib>
-#include <type_traits>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/dequant.cuh"
@@ -510,20 +509,9 @@ void launch_route(const DRouter& r, const float* x, int batch, float* logits, ui
   const int per = (batch + route_chunks(batch) - 1) / route_chunks(batch), chunks = (batch + per - 1) / per;
   const dim3 grid(unsigned((r.experts + kRouteRows - 1) / kRouteRows), unsigned(chunks));
   const size_t smem = size_t(kRouteWarps) * size_t(r.experts) * sizeof(float);
-  auto go = [&](auto B) {
+  by_batch(per, [&](auto B) {
     launch(route_kernel<B()>, grid, dim3(kRouteWarps * 32), smem, stream, r, x, batch, logits, done, experts, weights);
-  };
-  switch (per) {
-    case 1: go(std::integral_constant<int, 1>{}); break;
-    case 2: go(std::integral_constant<int, 2>{}); break;
-    case 3: go(std::integral_constant<int, 3>{}); break;
-    case 4: go(std::integral_constant<int, 4>{}); break;
-    case 5: go(std::integral_constant<int, 5>{}); break;
-    case 6: go(std::integral_constant<int, 6>{}); break;
-    case 7: go(std::integral_constant<int, 7>{}); break;
-    case 8: go(std::integral_constant<int, 8>{}); break;
-    default: fail("internal: router chunks of ", per, " tokens");
-  }
+  });
   KESTREL_CUDA_LAUNCHED();
 }
 
