@@ -144,6 +144,32 @@ INSTANTIATE_TEST_SUITE_P(
                       LinearCase{WeightFormat::NVFP4, 20000, 128, 64}, LinearCase{WeightFormat::BF16, 17000, 64, 40},
                       LinearCase{WeightFormat::NVFP4, 17000, 128, 16}, LinearCase{WeightFormat::BF16, 17000, 192, 27}));
 
+// An RMSNorm of the input inside the product (one token on CUDA cores) or, where the kernel
+// cannot take it, launched first into norm.out: both against the CPU's norm then product.
+TEST(CudaOps, LinearWithNormMatchesCpu) {
+  std::mt19937 rng(21);
+  for (const LinearCase& p : {LinearCase{WeightFormat::NVFP4, 300, 2048, 1}, LinearCase{WeightFormat::NVFP4, 64, 784, 1},
+                              LinearCase{WeightFormat::NVFP4, 129, 784, 3}, LinearCase{WeightFormat::BF16, 300, 2048, 1}}) {
+    RandomLinear W(p.out, p.in, p.format, rng, true);
+    const auto x = test::random_floats(size_t(p.batch) * p.in, rng, 3.0f);
+    const auto g = test::random_floats(size_t(p.in), rng);
+    std::vector<float> xn(x.size()), ref(size_t(p.batch) * p.out);
+    cpu::rms_norm(x.data(), g.data(), p.batch, p.in, 1e-5f, xn.data());
+    ThreadPool pool(1);
+    cpu::linear(W.host, xn.data(), p.batch, ref.data(), pool);
+    DeviceBuffer<float> dx(x), dg(g), dy(ref.size()), dxn(x.size());
+    dy.poison(), dxn.poison();
+    const cuda::LinearJob job{W.dev, dy.get()};
+    const bool fused = cuda::linear_fuses_norm(&job, 1, p.batch);
+    EXPECT_EQ(fused, p.format == WeightFormat::NVFP4 && p.batch == 1) << p.out << " x " << p.in << ", batch " << p.batch;
+    cuda::launch_linear(&job, 1, dx.get(), p.batch, false, nullptr, cuda::RowNorm{dg.get(), 1e-5f, dxn.get()});
+    EXPECT_LE(test::rel_err(dy.download(), ref), kTol) << p.out << " x " << p.in << ", batch " << p.batch;
+    if (!fused) {
+      EXPECT_LE(test::rel_err(dxn.download(), xn), kTol) << "the normalized rows, batch " << p.batch;
+    }
+  }
+}
+
 TEST(CudaOps, ThreeJobsInOneLaunch) {
   std::mt19937 rng(7);
   RandomLinear a(128, 256, WeightFormat::NVFP4, rng, true), b(32, 256, WeightFormat::NVFP4, rng, true),
@@ -284,6 +310,53 @@ TEST(CudaOps, RoutingMatchesCpu) {
             EXPECT_NEAR(gw[i], ref.weights[i], 1e-5f) << what << ", token " << b << " slot " << j;
           }
         for (uint32_t v : done.download()) EXPECT_EQ(v, 0u) << what << ": a chunk counter left set";
+      }
+    }
+  }
+}
+
+// The router normalizing its input (in its kernel for one token, else by a launch first) leaves
+// the normalized rows for the experts and routes as the CPU does after its own norm.
+TEST(CudaOps, RoutingWithNormMatchesCpu) {
+  std::mt19937 rng(25);
+  struct Case {
+    ModelConfig c;
+    WeightFormat f;
+    int H;
+  };
+  for (const Case& rc : {Case{router_config(false, 128, 8, 1, 1, true), WeightFormat::BF16, 2048},
+                         Case{router_config(false, 128, 8, 1, 1, true), WeightFormat::NVFP4, 2048},
+                         Case{router_config(true, 256, 8, 8, 4, true), WeightFormat::NVFP4, 176}}) {
+    const ModelConfig& c = rc.c;
+    const int H = rc.H, E = int(c.num_experts), K = int(c.experts_per_token);
+    RandomLinear w(E, H, rc.f, rng);
+    const auto bias = test::random_floats(size_t(E), rng, 0.1f);
+    const auto g = test::random_floats(size_t(H), rng);
+    DeviceBuffer<float> dbias(bias), dg(g);
+    const cuda::DRouter router = cuda::make_router(c, w.dev, dbias.get());
+    for (int B : {1, 3}) {
+      const auto x = test::random_floats(size_t(B) * H, rng, 3.0f);
+      std::vector<float> xn(x.size()), logits(size_t(B) * E);
+      cpu::rms_norm(x.data(), g.data(), B, H, 1e-6f, xn.data());
+      ThreadPool pool(1);
+      cpu::linear(w.host, xn.data(), B, logits.data(), pool);
+      const cpu::Routing ref = cpu::route(c, logits.data(), B, bias);
+      DeviceBuffer<float> dx(x), dxn(x.size()), dw(size_t(B) * K), dl(size_t(B) * E);
+      DeviceBuffer<int32_t> de(size_t(B) * K);
+      DeviceBuffer<uint32_t> done(std::vector<uint32_t>(size_t(cuda::route_chunks(B)), 0));
+      dxn.poison(), dw.poison(), dl.poison(), de.poison();
+      EXPECT_EQ(cuda::route_fuses_norm(router, B), B == 1);
+      cuda::launch_route(router, dx.get(), B, dl.get(), done.get(), de.get(), dw.get(), nullptr,
+                         cuda::RowNorm{dg.get(), 1e-6f, dxn.get()});
+      const std::string what = std::string(format_name(rc.f)) + " " + std::to_string(E) + " experts x " +
+                               std::to_string(H) + ", batch " + std::to_string(B);
+      EXPECT_LE(test::rel_err(dxn.download(), xn), kTol) << what << ": the normalized rows";
+      EXPECT_LE(test::rel_err(dl.download(), logits), kTol) << what;
+      const auto ge = de.download();
+      const auto gw = dw.download();
+      for (size_t i = 0; i < ge.size(); ++i) {
+        EXPECT_EQ(ge[i], ref.experts[i]) << what << ", slot " << i;
+        EXPECT_NEAR(gw[i], ref.weights[i], 1e-5f) << what << ", slot " << i;
       }
     }
   }

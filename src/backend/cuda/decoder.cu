@@ -355,7 +355,12 @@ void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, Logits rows, bool 
   };
   for (int l = 0; l < nL; ++l) {
     const DLayer& L = m_.layers()[size_t(l)];
-    if (!split || l == 0) {
+    // Unsplit, the RMSNorms before q/k/v and before the router run inside those kernels where
+    // they can (one token): a launch and a wait fewer each.
+    const LinearJob qkv[3] = {{L.q, q_}, {L.k, k_}, {L.v, v_}};
+    const bool fuse_attn_norm = !split && !c.is_mla() && linear_fuses_norm(qkv, 3, batch);
+    const bool fuse_ffn_norm = !split && L.is_moe && route_fuses_norm(L.moe.router, batch);
+    if ((!split || l == 0) && !fuse_attn_norm) {
       launch_rms_norm(x_, L.attn_norm, batch, H, eps, xn_, s);
       op("rms_norm", 1, 2 * act * H);
     }
@@ -363,8 +368,8 @@ void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, Logits rows, bool 
       mla_attention(L, l, batch, out, !split, s, op);
     } else {
       const KvLayer kvl = kv(l);
-      const LinearJob qkv[3] = {{L.q, q_}, {L.k, k_}, {L.v, v_}};
-      launch_linear(qkv, 3, xn_, batch, false, s);
+      if (fuse_attn_norm) launch_linear(qkv, 3, x_, batch, false, s, RowNorm{L.attn_norm, eps, nullptr});
+      else launch_linear(qkv, 3, xn_, batch, false, s);
       op("qkv_proj", 1, double(L.q.bytes() + L.k.bytes() + L.v.bytes()));
       launch_qk_rope_store(q_, k_, v_, batch, nq, nkv, hd, L.q_norm, L.k_norm, eps, rope, positions_, kvl, s);
       op("qk_norm_rope", 1, act * (nq + 2 * nkv) * hd);
@@ -376,12 +381,16 @@ void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, Logits rows, bool 
     }
     if (split) {
       reduce(L.ffn_norm);
-    } else {
+    } else if (!fuse_ffn_norm) {
       launch_rms_norm(x_, L.ffn_norm, batch, H, eps, xn_, s);
       op("rms_norm", 1, 2 * act * H);
     }
     if (L.is_moe) {
-      launch_route(L.moe.router, xn_, batch, moe_.logits, moe_.route_done, moe_.experts, moe_.weights, s);
+      if (fuse_ffn_norm)  // leaves the normalized row in xn_ for the experts
+        launch_route(L.moe.router, x_, batch, moe_.logits, moe_.route_done, moe_.experts, moe_.weights, s,
+                     RowNorm{L.ffn_norm, eps, xn_});
+      else
+        launch_route(L.moe.router, xn_, batch, moe_.logits, moe_.route_done, moe_.experts, moe_.weights, s);
       op("router", 1, double(L.moe.router.w.bytes()));
       if (split) KESTREL_CUDA_CHECK(cudaMemsetAsync(part_, 0, size_t(batch) * H * 4, s));  // the experts add to it
       const int expert_launches = launch_moe_experts(L.moe, xn_, batch, out, moe_, s);

@@ -28,4 +28,12 @@ struct DLinear {
   }
 };
 
+// An RMSNorm applied to a kernel's input rows on the fly: x -> w * (x * rsqrt(mean(x^2) + eps)).
+// Kernels that take one save the launch (and the wait) of a separate normalization.
+struct RowNorm {
+  const float* w = nullptr;  // null: no normalization
+  float eps = 0.0f;
+  float* out = nullptr;      // where a kernel also leaves the normalized rows for later kernels (or null)
+};
+
 }  // namespace kestrel::cuda

@@ -8,6 +8,8 @@
 #include "backend/cuda/gemv.h"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/mma_tiles.cuh"
+#include "backend/cuda/norm_rope.h"
+#include "backend/cuda/reduce.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -25,10 +27,13 @@ struct Jobs {
 // A block holds kWarps / ks row groups of R rows; the ks warps of a group split K and their
 // partial sums are added in warp order, so that all lanes have work and results are exact
 // functions of the inputs.
+// With norm.w (one token): x is the raw row, normalized by every block into shared memory.
 template <int B>
-__global__ void __launch_bounds__(kWarps * 32) linear_kernel(Jobs jobs, const float* __restrict__ x, int accumulate) {
+__global__ void __launch_bounds__(kWarps * 32) linear_kernel(Jobs jobs, const float* __restrict__ x, int accumulate,
+                                                             RowNorm norm) {
   constexpr int R = rows_per_warp<B>();
   __shared__ float red[kWarps * R * B];
+  extern __shared__ float4 xs4[];  // norm.w: the normalized row
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int blk = blockIdx.x, j = 0;
   while (blk >= jobs.blocks[j]) blk -= jobs.blocks[j++];
@@ -36,7 +41,14 @@ __global__ void __launch_bounds__(kWarps * 32) linear_kernel(Jobs jobs, const fl
   const int ks = jobs.ks[j];
   const int row0 = (blk * (kWarps / ks) + warp / ks) * R;
   prefetch_rows_l2(W, blk * (kWarps / ks) * R, (kWarps / ks) * R);
+  float4 g[kRowNormPer];
+  if (B == 1 && norm.w) row_norm_weights(norm.w, W.in, g);
   pdl_enter();
+  if (B == 1 && norm.w) {
+    float* xs = reinterpret_cast<float*>(xs4);
+    block_rms_norm(x, g, W.in, norm.eps, xs, red);
+    x = xs;
+  }
   float acc[R][B];
   #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -380,19 +392,45 @@ void by_groups(int G, F&& f) {
 
 }  // namespace
 
-void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, bool accumulate, cudaStream_t s) {
-  if (njobs < 1 || njobs > 3) fail("internal: launch_linear takes 1 to 3 jobs");
-  bool tc = true, bf16 = true, fp4 = true;  // every job fits the tensor-core tiles; is BF16; is NVFP4
+namespace {
+// Whether a pass starting with `left` tokens still to go takes the tensor-core kernels.
+bool pass_on_mma(const LinearJob* jobs, int njobs, int left) {
+  bool tc = true, bf16 = true;
   for (int i = 0; i < njobs; ++i) {
     tc &= (jobs[i].w.format == DFormat::NVFP4 || jobs[i].w.format == DFormat::BF16) && jobs[i].w.in % 64 == 0;
     bf16 &= jobs[i].w.format == DFormat::BF16;
+  }
+  // One token takes tensor cores for BF16 only: its conversion is cheap, NVFP4's dequantization
+  // is not, and a token uses one column of eight.
+  return tc && (left >= mma_min_batch() || bf16);
+}
+}  // namespace
+
+bool linear_fuses_norm(const LinearJob* jobs, int njobs, int batch) {
+  if (batch != 1 || njobs < 1 || pass_on_mma(jobs, njobs, batch)) return false;
+  const int in = jobs[0].w.in;
+  for (int i = 0; i < njobs; ++i)
+    if (jobs[i].w.in != in) return false;
+  return in % 4 == 0 && in <= kRowNormMax;
+}
+
+void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, bool accumulate, cudaStream_t s,
+                   RowNorm norm) {
+  if (njobs < 1 || njobs > 3) fail("internal: launch_linear takes 1 to 3 jobs");
+  if (norm.w && !linear_fuses_norm(jobs, njobs, batch)) {
+    if (!norm.out) fail("internal: launch_linear cannot fuse this normalization and has no buffer for it");
+    launch_rms_norm(x, norm.w, batch, jobs[0].w.in, norm.eps, norm.out, s);
+    x = norm.out;
+    norm = RowNorm{};
+  }
+  bool bf16 = true, fp4 = true;  // every job is BF16; is NVFP4
+  for (int i = 0; i < njobs; ++i) {
+    bf16 &= jobs[i].w.format == DFormat::BF16;
     fp4 &= jobs[i].w.format == DFormat::NVFP4;
   }
-  // Passes of up to 64 tokens on tensor cores, else of up to 8 on CUDA cores. One token takes
-  // tensor cores for BF16 only: its conversion is cheap, NVFP4's dequantization is not, and a
-  // token uses one column of eight.
+  // Passes of up to 64 tokens on tensor cores, else of up to 8 on CUDA cores.
   for (int b0 = 0, nb = 0; b0 < batch; b0 += nb) {
-    const bool mma = tc && (batch - b0 >= mma_min_batch() || bf16);
+    const bool mma = pass_on_mma(jobs, njobs, batch - b0);
     nb = std::min(mma ? 64 : 8, batch - b0);
     const float* xb = x + size_t(b0) * jobs[0].w.in;
     // Blocks of (kWarps / ks) tiles of rows_per_tile rows; the tiled kernel has one warp per tile.
@@ -434,7 +472,8 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
     } else {
       by_batch(nb, [&](auto B) {
         const Jobs J = jobs_for(rows_per_warp<B()>(), false);
-        launch(linear_kernel<B()>, dim3(unsigned(J.blocks_total)), dim3(kWarps * 32), 0, s, J, xb, acc);
+        const size_t smem = norm.w ? size_t(jobs[0].w.in) * sizeof(float) : 0;
+        launch(linear_kernel<B()>, dim3(unsigned(J.blocks_total)), dim3(kWarps * 32), smem, s, J, xb, acc, norm);
       });
     }
     KESTREL_CUDA_LAUNCHED();

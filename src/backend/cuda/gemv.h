@@ -14,7 +14,14 @@ struct LinearJob {
 };
 
 // x: [batch, in] float32. If `accumulate`, y += result (residual add), else y = result.
-void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, bool accumulate, cudaStream_t s);
+// With norm.w, x is first normalized (RMSNorm): inside the product's kernel where
+// linear_fuses_norm says it can be, else by a separate launch into norm.out, which must then be set.
+void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, bool accumulate, cudaStream_t s,
+                   RowNorm norm = {});
+
+// Whether launch_linear applies a RowNorm inside its product kernel for these jobs and batch (one
+// token on the CUDA-core kernel, rows of at most kRowNormMax floats).
+bool linear_fuses_norm(const LinearJob* jobs, int njobs, int batch);
 
 // out[b, n] = silu(gate[n] . x[b]) * (up[n] . x[b]): dense MLP or shared expert, first half.
 void launch_gated(const DLinear& gate, const DLinear& up, const float* x, int batch, float* out, cudaStream_t s);

@@ -9,6 +9,8 @@
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/mma_tiles.cuh"
 #include "backend/cuda/moe.h"
+#include "backend/cuda/norm_rope.h"
+#include "backend/cuda/reduce.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -116,7 +118,7 @@ template <int B>
 __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(DRouter r, const float* __restrict__ x, int batch,
                                                                  float* logits, unsigned* done,
                                                                  int32_t* __restrict__ out_e,
-                                                                 float* __restrict__ out_w) {
+                                                                 float* __restrict__ out_w, RowNorm norm) {
   // Rows per warp as in linear_kernel (fewer for more tokens bounds registers); the ks warps
   // that share them split K, and their partial sums are added in warp order.
   constexpr int R = rows_per_warp<B>() < kRouteRows ? rows_per_warp<B>() : kRouteRows;
@@ -126,13 +128,23 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(DRouter r, cons
   __shared__ float gscore[kRouteWarps][32];
   __shared__ int sel[kRouteWarps][32];
   __shared__ bool last;
-  extern __shared__ float choice[];  // [kRouteWarps, experts]: the selection's
+  extern __shared__ float choice[];  // [kRouteWarps, experts]: the selection's; then norm.w: the normalized row
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const DLinear& W = r.w;
   const int E = r.experts, K = W.in;
   const int block_row0 = blockIdx.x * kRouteRows, row0 = block_row0 + (warp / ks) * R;
   if (blockIdx.y == 0) prefetch_rows_l2(W, block_row0, kRouteRows);
+  float4 g[kRowNormPer];
+  if (B == 1 && norm.w) row_norm_weights(norm.w, K, g);
   pdl_enter();
+  if (B == 1 && norm.w) {  // one token: every block normalizes it; the first leaves it for the experts
+    float* xs = choice + kRouteWarps * E;
+    block_rms_norm(x, g, K, norm.eps, xs, red);
+    if (blockIdx.x == 0)
+      for (int i = threadIdx.x; i < K / 4; i += blockDim.x)
+        reinterpret_cast<float4*>(norm.out)[i] = reinterpret_cast<const float4*>(xs)[i];
+    x = xs;
+  }
   const int t0 = blockIdx.y * B, owned = min(B, batch - t0), c0 = min(t0, batch - B);
   float acc[R][B];
   #pragma unroll
@@ -176,6 +188,12 @@ __global__ void __launch_bounds__(kWarps * 32, 3) gate_up_kernel(DMoe m, int bat
                                                               int act_stride) {
   constexpr int R = kGateUpRows;
   __shared__ float red[kWarps * R];
+  // The expert descriptors into L2 while the router runs: every block reads two after it.
+  if (blockIdx.x == 0 && blockIdx.y == 0) {
+    prefetch_bytes_l2(m.gate, size_t(m.local_experts) * sizeof(DLinear));
+    prefetch_bytes_l2(m.up, size_t(m.local_experts) * sizeof(DLinear));
+    prefetch_bytes_l2(m.down, size_t(m.local_experts) * sizeof(DLinear));
+  }
   pdl_enter();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int s = blockIdx.y, K = m.router.top_k;
@@ -498,8 +516,20 @@ DRouter make_router(const ModelConfig& c, const DLinear& w, const float* bias) {
   return r;
 }
 
+bool route_fuses_norm(const DRouter& r, int batch) {
+  const int K = r.w.in;
+  return batch == 1 && K % 4 == 0 && K <= kRowNormMax &&
+         (size_t(kRouteWarps) * size_t(r.experts) + size_t(K)) * sizeof(float) <= 48 * 1024;  // default smem limit
+}
+
 void launch_route(const DRouter& r, const float* x, int batch, float* logits, uint32_t* done, int32_t* experts,
-                  float* weights, cudaStream_t stream) {
+                  float* weights, cudaStream_t stream, RowNorm norm) {
+  if (norm.w && !norm.out) fail("internal: a router normalization needs a buffer for the normalized rows");
+  if (norm.w && !route_fuses_norm(r, batch)) {
+    launch_rms_norm(x, norm.w, batch, r.w.in, norm.eps, norm.out, stream);
+    x = norm.out;
+    norm = RowNorm{};
+  }
   if (r.experts > kMaxExperts || r.top_k > 32 || r.n_group > 32)
     fail("CUDA router supports at most ", kMaxExperts, " experts, top-32 and 32 groups");
   if (r.w.out != r.experts || batch < 1 || !done)
@@ -508,9 +538,10 @@ void launch_route(const DRouter& r, const float* x, int batch, float* logits, ui
   // Chunks of up to kRouteTokens tokens, as even as they can be: `per` tokens each, the last maybe fewer.
   const int per = (batch + route_chunks(batch) - 1) / route_chunks(batch), chunks = (batch + per - 1) / per;
   const dim3 grid(unsigned((r.experts + kRouteRows - 1) / kRouteRows), unsigned(chunks));
-  const size_t smem = size_t(kRouteWarps) * size_t(r.experts) * sizeof(float);
+  const size_t smem = (size_t(kRouteWarps) * size_t(r.experts) + (norm.w ? size_t(r.w.in) : 0)) * sizeof(float);
   by_batch(per, [&](auto B) {
-    launch(route_kernel<B()>, grid, dim3(kRouteWarps * 32), smem, stream, r, x, batch, logits, done, experts, weights);
+    launch(route_kernel<B()>, grid, dim3(kRouteWarps * 32), smem, stream, r, x, batch, logits, done, experts, weights,
+           norm);
   });
   KESTREL_CUDA_LAUNCHED();
 }

@@ -78,7 +78,10 @@ void launch_moe(const DMoe& m, const float* x, int batch, float* residual, const
 // each chunk of up to kRouteTokens rows of x; the last block of a chunk to finish selects its
 // tokens' experts (a warp per token). Writes experts and weights [B, top_k]. done:
 // route_chunks(batch) counters, zero before the launch and after it.
+// With norm.w, x is the raw input: the router normalizes it (RMSNorm; inside its own kernel where
+// route_fuses_norm says so, else by a separate launch) and leaves the rows in norm.out for the experts.
 void launch_route(const DRouter& r, const float* x, int batch, float* logits, uint32_t* done, int32_t* experts,
-                  float* weights, cudaStream_t stream);
+                  float* weights, cudaStream_t stream, RowNorm norm = {});
+bool route_fuses_norm(const DRouter& r, int batch);
 
 }  // namespace kestrel::cuda

@@ -7,41 +7,19 @@
 namespace kestrel::cuda {
 namespace {
 
-constexpr int kNormThreads = 256, kNormPer = 8;  // float4 per thread: rows up to 8192 in one pass
-
-// One block per row. Rows of up to 4 * kNormThreads * kNormPer floats (a multiple of 4) are held
-// in registers: the weights are loaded before waiting on the previous kernel and all loads of x
-// are in flight at once, so the kernel costs one memory latency instead of one per loop step.
-__global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const float* __restrict__ x,
-                                                                const float* __restrict__ w, int n, float eps,
-                                                                float* __restrict__ out) {
+// One block per row. Rows of up to kRowNormMax floats (a multiple of 4) take block_rms_norm:
+// weights loaded before waiting on the previous kernel, all of x's loads in flight at once.
+__global__ void __launch_bounds__(kRowNormThreads) rms_norm_kernel(const float* __restrict__ x,
+                                                                   const float* __restrict__ w, int n, float eps,
+                                                                   float* __restrict__ out) {
   __shared__ float red[32];
   const float* xr = x + size_t(blockIdx.x) * n;
   float* o = out + size_t(blockIdx.x) * n;
-  if (n % 4 == 0 && n <= 4 * kNormThreads * kNormPer) {
-    const int n4 = n / 4;
-    float4 wv[kNormPer], xv[kNormPer];
-    #pragma unroll
-    for (int i = 0; i < kNormPer; ++i) {
-      const int j = threadIdx.x + i * kNormThreads;
-      if (j < n4) wv[i] = __ldg(reinterpret_cast<const float4*>(w) + j);
-    }
+  if (n % 4 == 0 && n <= kRowNormMax) {
+    float4 g[kRowNormPer];
+    row_norm_weights(w, n, g);
     pdl_enter();
-    float ss = 0.0f;
-    #pragma unroll
-    for (int i = 0; i < kNormPer; ++i) {
-      const int j = threadIdx.x + i * kNormThreads;
-      xv[i] = j < n4 ? reinterpret_cast<const float4*>(xr)[j] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      ss += xv[i].x * xv[i].x + xv[i].y * xv[i].y + xv[i].z * xv[i].z + xv[i].w * xv[i].w;
-    }
-    const float inv = rsqrtf(block_sum(ss, red) / float(n) + eps);
-    #pragma unroll
-    for (int i = 0; i < kNormPer; ++i) {
-      const int j = threadIdx.x + i * kNormThreads;
-      if (j < n4)
-        reinterpret_cast<float4*>(o)[j] = make_float4(wv[i].x * (xv[i].x * inv), wv[i].y * (xv[i].y * inv),
-                                                      wv[i].z * (xv[i].z * inv), wv[i].w * (xv[i].w * inv));
-    }
+    block_rms_norm(xr, g, n, eps, o, red);
     return;
   }
   pdl_enter();
@@ -93,7 +71,7 @@ __global__ void qk_rope_store_kernel(float* __restrict__ q, const float* __restr
 }  // namespace
 
 void launch_rms_norm(const float* x, const float* w, int rows, int n, float eps, float* out, cudaStream_t s) {
-  launch(rms_norm_kernel, dim3(unsigned(rows)), dim3(kNormThreads), 0, s, x, w, n, eps, out);
+  launch(rms_norm_kernel, dim3(unsigned(rows)), dim3(kRowNormThreads), 0, s, x, w, n, eps, out);
   KESTREL_CUDA_LAUNCHED();
 }
 
