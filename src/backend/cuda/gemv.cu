@@ -359,14 +359,16 @@ int linear_fill() {
   return v;
 }
 
-// Above 8 tokens, the tiled kernel for large matrices whose jobs share one format
-// (KESTREL_LINEAR_TILED=0: the wide kernel, for A/B runs).
-bool linear_tiled() {
-  static const bool on = [] {
+// Passes of at least this many tokens take the tiled kernel for large matrices whose jobs share
+// one format (KESTREL_LINEAR_TILED: 0 never, else the smallest pass, for A/B runs; default 9).
+int linear_tiled_min() {
+  static const int v = [] {
     const char* e = std::getenv("KESTREL_LINEAR_TILED");
-    return !(e && std::strcmp(e, "0") == 0);
+    if (!e) return 9;
+    const int n = std::atoi(e);
+    return n <= 0 ? 1 << 30 : n;
   }();
-  return on;
+  return v;
 }
 
 // Groups of 8 tokens per block for a pass of nb tokens over `blocks` row blocks: as many as the
@@ -451,7 +453,7 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
     const int groups = (nb + 7) / 8;
     // Tiled only where its 128-row blocks alone give every SM one: with fewer, its chunk loop
     // (a barrier per chunk, one block per SM) is slower than the wide kernel (docs/PERF.md v15).
-    const bool tiled = mma && nb > 8 && (fp4 || bf16) && linear_tiled();
+    const bool tiled = mma && nb >= linear_tiled_min() && (fp4 || bf16);
     const Jobs Jt = tiled ? jobs_for(16, true) : Jobs{};
     if (tiled && Jt.blocks_total >= sm_count()) {
       // Token groups spread over block rows below linear_fill() / 2 blocks per SM (one block per
