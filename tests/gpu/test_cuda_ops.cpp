@@ -263,23 +263,25 @@ TEST(CudaOps, RoutingOfNanStaysInRange) {
   }
 }
 
+// A router test case: the routing rules, the router weights' format and the hidden size.
+struct RouterCase {
+  ModelConfig c;
+  WeightFormat f;
+  int H;
+};
+
 // Routing is one launch over chunks of up to 8 tokens: every batch size (partial last chunks
 // included), each launched twice on the same buffers (the chunk counters must be back at 0), in
 // every router weight format; rows 2048 wide split K over the warps of a block, 132 wide (BF16,
 // not a multiple of 8) take the element-wise path.
 TEST(CudaOps, RoutingMatchesCpu) {
   std::mt19937 rng(5);
-  struct Case {
-    ModelConfig c;
-    WeightFormat f;
-    int H;
-  };
-  for (const Case& rc : {Case{router_config(false, 128, 8, 1, 1, true), WeightFormat::BF16, 2048},
-                         Case{router_config(false, 60, 4, 1, 1, false), WeightFormat::BF16, 132},
-                         Case{router_config(true, 64, 6, 8, 3, true), WeightFormat::BF16, 128},
-                         Case{router_config(true, 16, 2, 1, 1, true), WeightFormat::F32, 96},
-                         Case{router_config(false, 128, 8, 1, 1, true), WeightFormat::NVFP4, 2048},
-                         Case{router_config(true, 256, 8, 8, 4, true), WeightFormat::NVFP4, 176}}) {
+  for (const RouterCase& rc : {RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::BF16, 2048},
+                               RouterCase{router_config(false, 60, 4, 1, 1, false), WeightFormat::BF16, 132},
+                               RouterCase{router_config(true, 64, 6, 8, 3, true), WeightFormat::BF16, 128},
+                               RouterCase{router_config(true, 16, 2, 1, 1, true), WeightFormat::F32, 96},
+                               RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::NVFP4, 2048},
+                               RouterCase{router_config(true, 256, 8, 8, 4, true), WeightFormat::NVFP4, 176}}) {
     const ModelConfig& c = rc.c;
     const int H = rc.H, E = int(c.num_experts), K = int(c.experts_per_token);
     RandomLinear w(E, H, rc.f, rng);
@@ -319,14 +321,9 @@ TEST(CudaOps, RoutingMatchesCpu) {
 // the normalized rows for the experts and routes as the CPU does after its own norm.
 TEST(CudaOps, RoutingWithNormMatchesCpu) {
   std::mt19937 rng(25);
-  struct Case {
-    ModelConfig c;
-    WeightFormat f;
-    int H;
-  };
-  for (const Case& rc : {Case{router_config(false, 128, 8, 1, 1, true), WeightFormat::BF16, 2048},
-                         Case{router_config(false, 128, 8, 1, 1, true), WeightFormat::NVFP4, 2048},
-                         Case{router_config(true, 256, 8, 8, 4, true), WeightFormat::NVFP4, 176}}) {
+  for (const RouterCase& rc : {RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::BF16, 2048},
+                               RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::NVFP4, 2048},
+                               RouterCase{router_config(true, 256, 8, 8, 4, true), WeightFormat::NVFP4, 176}}) {
     const ModelConfig& c = rc.c;
     const int H = rc.H, E = int(c.num_experts), K = int(c.experts_per_token);
     RandomLinear w(E, H, rc.f, rng);
