@@ -129,6 +129,8 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     --capacity 32768 --steps 30
   KESTREL_MOE_GROUPED_MIN_BATCH=1000 bench qwen3-30b-a3b-moe-per-slot --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
     --batch 4,8,32 --context 1024 --steps 50
+  KESTREL_MOE_SLOT_MMA=0 bench qwen3-30b-a3b-down-cuda-cores --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
+    --batch 1 --context 1024 --steps 50
   KESTREL_MMA_MIN_BATCH=1 bench qwen3-30b-a3b-mma-b1 --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1 --context 1024 --steps 50
   KESTREL_PDL=0 bench qwen3-30b-a3b-no-pdl --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 50
   bench glm-4.5-air --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 30

@@ -361,22 +361,26 @@ TEST(CudaOps, RoutingWithNormMatchesCpu) {
 
 // Widths that are multiples of 64 in NVFP4 or BF16 take the expert-grouped tensor-core kernels
 // from 4 tokens on (up to 40 tokens here: more than 8 tokens share an expert, so an expert's
-// tokens span several groups of 8; 512 wide, few experts: tiles split over up to 4 warps); other
-// widths the per-slot CUDA-core kernels.
+// tokens span several groups of 8; 512 wide, few experts: tiles split over up to 4 warps); fewer
+// tokens the per-slot kernels, whose down projection at one token runs on tensor cores when the
+// down matrices are NVFP4 with widths that are multiples of 128 (640: its 5 chunks split into
+// parts of 3 and 2; a shared expert twice as wide: two rounds of loads per part).
 struct MoeCase {
   int H, I;
   WeightFormat f;
-  bool grouped;
+  bool grouped, slot_down_mma;
+  int shared_I = 0;  // 0: I
 };
 
 TEST(CudaOps, MoeMatchesCpu) {
   std::mt19937 rng(9);
   const int E = 16, K = 4;
-  for (const MoeCase& mc : {MoeCase{96, 48, WeightFormat::NVFP4, false}, MoeCase{128, 64, WeightFormat::NVFP4, true},
-                            MoeCase{192, 128, WeightFormat::BF16, true},
-                            MoeCase{512, 128, WeightFormat::NVFP4, true}})
+  for (const MoeCase& mc :
+       {MoeCase{96, 48, WeightFormat::NVFP4, false, false}, MoeCase{128, 64, WeightFormat::NVFP4, true, false},
+        MoeCase{192, 128, WeightFormat::BF16, true, false}, MoeCase{512, 128, WeightFormat::NVFP4, true, true},
+        MoeCase{640, 640, WeightFormat::NVFP4, true, true}, MoeCase{256, 512, WeightFormat::NVFP4, true, true, 1024}})
   for (bool shared : {false, true}) {
-    const int H = mc.H, I = mc.I;
+    const int H = mc.H, I = mc.I, SI = mc.shared_I ? mc.shared_I : I, A = std::max(I, SI);
     ModelConfig c = router_config(shared, E, K, shared ? 4 : 1, shared ? 2 : 1, true);
     c.hidden_size = H;
     c.moe_intermediate_size = I;
@@ -398,7 +402,7 @@ TEST(CudaOps, MoeMatchesCpu) {
     }
     cuda::DMoe dm;
     if (shared) {
-      RandomLinear *g = make(I, H), *u = make(I, H), *d = make(H, I);
+      RandomLinear *g = make(SI, H), *u = make(SI, H), *d = make(H, SI);
       mw.has_shared = true;
       mw.shared = {g->host, u->host, d->host};
       dm.has_shared = 1;
@@ -412,6 +416,7 @@ TEST(CudaOps, MoeMatchesCpu) {
     dm.width = I;
     cuda::describe_experts(dm, dg, du, dd);
     ASSERT_EQ(dm.tensor_cores, mc.grouped ? 1 : 0);
+    ASSERT_EQ(dm.slot_down_mma, mc.slot_down_mma ? 1 : 0);
     dm.local_experts = E;
     // Expert parallelism: a rank holding experts E/2 .. E-1 (and no shared expert) adds only theirs.
     cuda::DMoe half = dm;
@@ -430,18 +435,23 @@ TEST(CudaOps, MoeMatchesCpu) {
         std::vector<float> out(size_t(B) * H);
         ThreadPool pool(1);
         cpu::moe_forward(c, ep ? mw_half : mw, x.data(), B, out.data(), pool);
+        const std::vector<float> moe_only = out;
         for (size_t i = 0; i < out.size(); ++i) out[i] += resid[i];
         DeviceBuffer<float> dx(x), dr(resid);
         DeviceBuffer<int32_t> se(size_t(B) * K);
-        DeviceBuffer<float> sw(size_t(B) * K), sa(size_t(B) * (K + 1) * I), sl(size_t(B) * E);
+        DeviceBuffer<float> sw(size_t(B) * K), sa(size_t(B) * (K + 1) * A), sl(size_t(B) * E);
         DeviceBuffer<float> so(size_t(B) * (K + 1) * H);
         DeviceBuffer<uint32_t> done(std::vector<uint32_t>(size_t(cuda::route_chunks(B)), 0));
         sa.poison(), so.poison();
-        cuda::MoeScratch s{se.get(), sw.get(), sa.get(), I, sl.get(), done.get(), so.get()};
+        cuda::MoeScratch s{se.get(), sw.get(), sa.get(), A, sl.get(), done.get(), so.get()};
         cuda::launch_moe(ep ? half : dm, dx.get(), B, dr.get(), s, nullptr);
-        EXPECT_LE(test::rel_err(dr.download(), out), 1e-5)
-            << format_name(mc.f) << " " << H << "x" << I << (shared ? ", shared" : "")
-            << (ep ? ", experts 8..15" : "") << ", batch " << B;
+        std::vector<float> got = dr.download();
+        const std::string what = std::string(format_name(mc.f)) + " " + std::to_string(H) + "x" + std::to_string(I) +
+                                 (shared ? ", shared " + std::to_string(SI) + " wide" : "") + (ep ? ", experts 8..15" : "") + ", batch " +
+                                 std::to_string(B);
+        EXPECT_LE(test::rel_err(got, out), 1e-5) << what;
+        for (size_t i = 0; i < got.size(); ++i) got[i] -= resid[i];  // the experts' sum alone
+        EXPECT_LE(test::rel_err(got, moe_only), 2e-5) << what << " (the MoE output alone)";
       }
     }
   }

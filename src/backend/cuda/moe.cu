@@ -11,6 +11,7 @@
 #include "backend/cuda/moe.h"
 #include "backend/cuda/norm_rope.h"
 #include "backend/cuda/reduce.cuh"
+#include "backend/cuda/slot_mma.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -183,6 +184,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(DRouter r, cons
 
 // Grid: (rows / kWarps, slots). Slot s < batch*top_k is token s / top_k's j-th expert; the
 // slots after those are the shared expert of each token.
+template <bool Frag>
 __global__ void __launch_bounds__(kWarps * 32, 3) gate_up_kernel(DMoe m, int batch, const float* __restrict__ x,
                                                               const int32_t* __restrict__ experts, float* __restrict__ act,
                                                               int act_stride) {
@@ -217,7 +219,11 @@ __global__ void __launch_bounds__(kWarps * 32, 3) gate_up_kernel(DMoe m, int bat
   if (lane == 0 && warp % ks == 0)
     #pragma unroll
     for (int r = 0; r < R; ++r)
-      if (row0 + r < g.out) act[size_t(s) * act_stride + row0 + r] = gv[r][0] / (1.0f + __expf(-gv[r][0])) * uv[r][0];
+      if (row0 + r < g.out) {
+        const float v = gv[r][0] / (1.0f + __expf(-gv[r][0])) * uv[r][0];
+        if (Frag) frag_store(reinterpret_cast<uint32_t*>(act) + size_t(s) * act_stride, row0 + r, v);
+        else act[size_t(s) * act_stride + row0 + r] = v;
+      }
 }
 
 // One block per (output element, token): warp w takes the token's slots w, w + kWarps, ...
@@ -260,6 +266,64 @@ __global__ void __launch_bounds__(kWarps * 32, 3) down_kernel(DMoe m, int batch,
     float sum = 0.0f;
     for (int w = 0; w < kWarps; ++w) sum += part[w][threadIdx.x];
     residual[size_t(b) * hidden + row0 + threadIdx.x] += sum;
+  }
+}
+
+// ---- The per-slot down kernel on tensor cores (one token, NVFP4 down matrices; slot_mma.cuh) ----
+
+constexpr int kSlotDownWarps = 16;  // warps per block, sharing one 16-row tile
+
+// Grid: (16-row tiles of hidden, tokens); act holds fragment rows (gate_up_kernel<true>). The
+// block's warps take token b's (slot, K part) tasks in turn, a task being one slot's down rows of
+// the tile over one part of its chunks, the parts sized so that a part is one round of loads (the
+// routed experts': a wider shared expert takes a few rounds); each warp sums its tasks x routing
+// weight, and the warps' sums are added in warp order, so the result does not depend on scheduling.
+// One block per SM (over 100 registers): 16 warps with 128 bytes of loads each in flight.
+__global__ void __launch_bounds__(kSlotDownWarps * 32, 1) down_mma_kernel(DMoe m, int batch, const int32_t* __restrict__ experts,
+                                                                   const float* __restrict__ weights,
+                                                                   const uint32_t* __restrict__ act, int act_stride,
+                                                                   float* __restrict__ residual) {
+  __shared__ float part[kSlotDownWarps][16];
+  pdl_enter();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
+  const int r0 = blockIdx.x * 16, b = blockIdx.y, K = m.router.top_k;
+  const int hidden = m.router.w.in, slots = K + (m.has_shared ? 1 : 0);
+  const int ra = min(r0 + g, hidden - 1), rb = min(r0 + g + 8, hidden - 1);
+  constexpr int N = kSlotChunks;
+  const int parts = (m.width / kFragChunk + N - 1) / N;  // of the routed experts' chunks
+  float total[2] = {0.0f, 0.0f};
+  for (int task = warp; task < slots * parts; task += kSlotDownWarps) {
+    const int jj = task / parts, q = task % parts;
+    const bool sh = jj >= K;
+    const int s = sh ? batch * K + b : b * K + jj, e = sh ? 0 : experts[s] - m.first_expert;
+    if (!sh && (e < 0 || e >= m.local_experts)) continue;  // another rank's expert
+    const DLinear& D = sh ? m.shared_down : m.down[e];
+    // The shared expert may be wider: its chunks split into as many parts, each a few rounds longer.
+    const int chunks = D.in / kFragChunk, per = (chunks + parts - 1) / parts;
+    const uint32_t* xs = act + size_t(s) * act_stride;
+    const int c1 = min(chunks, (q + 1) * per);
+    float acc[N][4] = {}, y[2] = {0.0f, 0.0f};
+    SlotChunk ch[N];
+    for (int c = q * per; c < c1; c += N) {
+      slot_round_load(D, ra, rb, c, c1, j, ch);
+      slot_round_mma(ch, xs, c, c1, j, acc);
+    }
+    slot_acc_sum(acc, y);
+    const float w = (sh ? 1.0f : weights[s]) * mma_unscale(D);
+    total[0] = fmaf(w, y[0], total[0]);
+    total[1] = fmaf(w, y[1], total[1]);
+    if (D.bias && q == 0) {
+      const float wb = sh ? 1.0f : weights[s];
+      total[0] = fmaf(wb, D.bias[ra], total[0]);
+      total[1] = fmaf(wb, D.bias[rb], total[1]);
+    }
+  }
+  if (j == 0) part[warp][g] = total[0], part[warp][g + 8] = total[1];
+  __syncthreads();
+  if (threadIdx.x < 16 && r0 + int(threadIdx.x) < hidden) {
+    float sum = 0.0f;
+    for (int w = 0; w < kSlotDownWarps; ++w) sum += part[w][threadIdx.x];
+    residual[size_t(b) * hidden + r0 + threadIdx.x] += sum;
   }
 }
 
@@ -484,6 +548,16 @@ int grouped_min_batch() {
   return v;
 }
 
+// The per-slot down kernel on tensor cores at one token where the experts allow
+// (KESTREL_MOE_SLOT_MMA=0: the CUDA-core one, for A/B runs).
+bool slot_mma_enabled() {
+  static const bool v = [] {
+    const char* e = std::getenv("KESTREL_MOE_SLOT_MMA");
+    return !e || std::atoi(e) != 0;
+  }();
+  return v;
+}
+
 bool on_tensor_cores(const DLinear& w) {
   return (w.format == DFormat::NVFP4 || w.format == DFormat::BF16) && w.in % 64 == 0;
 }
@@ -500,6 +574,9 @@ void describe_experts(DMoe& m, const std::vector<DLinear>& gate, const std::vect
     tc &= on_tensor_cores(gate[e]) && on_tensor_cores(up[e]) && on_tensor_cores(down[e]) &&
           gate[e].format == up[e].format;
   m.tensor_cores = tc ? 1 : 0;
+  bool sm = true;
+  for (const DLinear& d : down) sm &= slot_mma_fits(d);
+  m.slot_down_mma = sm ? 1 : 0;
 }
 
 DRouter make_router(const ModelConfig& c, const DLinear& w, const float* bias) {
@@ -599,7 +676,19 @@ int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual
     return (w.out + rows_per_block - 1) / rows_per_block;
   };
   const int blocks = std::max(blocks_for(m.expert_gate), m.has_shared ? blocks_for(m.shared_gate) : 0);
-  launch(gate_up_kernel, dim3(unsigned(blocks), unsigned(slots)), dim3(kWarps * 32), 0, stream, m, batch, x,
+  // One token: down on tensor cores (one wave of 16-warp blocks, against 1.3 waves of the CUDA-core
+  // kernel at Qwen3-30B-A3B shapes). Its grid has a block row per token at one block per SM, so
+  // from 2 tokens it takes as many waves and the CUDA-core kernel is ahead (docs/PERF.md v17).
+  if (batch == 1 && slot_mma_enabled() && m.slot_down_mma && (!m.has_shared || slot_mma_fits(m.shared_down))) {
+    launch(gate_up_kernel<true>, dim3(unsigned(blocks), unsigned(slots)), dim3(kWarps * 32), 0, stream, m, batch, x,
+           s.experts, s.act, s.act_stride);
+    KESTREL_CUDA_LAUNCHED();
+    launch(down_mma_kernel, dim3(unsigned((hidden + 15) / 16), unsigned(batch)), dim3(kSlotDownWarps * 32), 0, stream, m,
+           batch, s.experts, s.weights, reinterpret_cast<const uint32_t*>(s.act), s.act_stride, residual);
+    KESTREL_CUDA_LAUNCHED();
+    return 2;
+  }
+  launch(gate_up_kernel<false>, dim3(unsigned(blocks), unsigned(slots)), dim3(kWarps * 32), 0, stream, m, batch, x,
          s.experts, s.act, s.act_stride);
   KESTREL_CUDA_LAUNCHED();
   launch(down_kernel, dim3(unsigned((hidden + kDownRows - 1) / kDownRows), unsigned(batch)), dim3(kWarps * 32), 0,

@@ -32,6 +32,7 @@ struct DMoe {
   const DLinear* down = nullptr;
   DLinear expert_gate;            // expert 0's gate as the host sees it: shape and format of all experts' gates
   int tensor_cores = 0;           // every expert matrix is NVFP4 or BF16 with inputs a multiple of 64 wide
+  int slot_down_mma = 0;          // every expert's down matrix is NVFP4 with inputs a multiple of 128 wide
   int width = 0;                  // expert intermediate size
   int first_expert = 0;           // an expert-parallel rank holds experts first_expert ..
   int local_experts = 0;          // .. first_expert + local_experts - 1; slots of others are skipped
@@ -39,7 +40,7 @@ struct DMoe {
   DLinear shared_gate, shared_up, shared_down;
 };
 
-// Sets m.expert_gate and m.tensor_cores from the local experts' matrices (host copies of the
+// Sets m.expert_gate, m.tensor_cores and m.slot_down_mma from the local experts' matrices (host copies of the
 // device arrays m.gate, m.up, m.down).
 void describe_experts(DMoe& m, const std::vector<DLinear>& gate, const std::vector<DLinear>& up,
                       const std::vector<DLinear>& down);
@@ -62,8 +63,8 @@ struct MoeScratch {
 };
 
 // The experts after routing (s.experts, s.weights): gate/up of all slots, then down with the
-// weighted sum added to the residual. Up to 3 tokens: a CUDA-core launch per step with one block
-// row per slot. 4 or more (with s.out and m.tensor_cores): the slots are grouped by expert inside
+// weighted sum added to the residual. Up to 3 tokens: a launch per step with one block row per
+// slot, on CUDA cores (at one token, down on tensor cores where m.slot_down_mma says it can). 4 or more (with s.out and m.tensor_cores): the slots are grouped by expert inside
 // each block, so every selected expert's weights (and the shared expert's) are read once for all
 // the tokens that chose it, on tensor cores; then the weighted outputs are added to the residual
 // in slot order.

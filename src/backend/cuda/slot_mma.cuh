@@ -1,0 +1,137 @@
+// One token's activations times NVFP4 rows on tensor cores (the per-slot down kernel, where each
+// expert's matrix meets a single token): mma.sync m16n8k16 with every column of B holding the same
+// token, so that each lane ends with the dot products of its own two rows, no shuffles needed.
+//
+// Lane (g, j) = (lane / 4, lane % 4) takes, of each 128-weight chunk of rows ra and rb, the 32
+// weights [32j, 32j + 32): 16 bytes of codes and two block scales per row, one load each. A dot
+// product does not depend on the order of k, so the chunk's 8 k-steps may pair any of the lane's
+// weights as long as the activations are paired the same way: k-step s = 2i + p takes from word
+// i of the 16 bytes the code pairs (2p, 2p + 4) as fragment k (2j, 2j + 1) and (2p + 1, 2p + 5)
+// as k (2j + 8, 2j + 9) (e2m1_pair with t = 2p and 2p + 1). The token's activations are stored
+// in that order by the kernel that makes them, as FP16 hi + lo parts of x * 2^-4 (a "fragment
+// row", frag_store), so each k-step's B fragments are one 16-byte load. Accuracy and scalings
+// are those of mma_tiles.cuh: the result is acc x mma_unscale(W).
+//
+// Measured limit (docs/PERF.md v17): every lane needs the token's activations for its own k-steps
+// (4 registers per 8 weights: 8 copies of the same values per warp), 4x the L1 traffic per weight
+// of the CUDA-core kernels, whose x loads serve 8 rows. That is why gate/up stays on CUDA cores;
+// down wins (one wave of blocks where the CUDA-core kernel has 1.3).
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "backend/cuda/mma_tiles.cuh"
+
+namespace kestrel::cuda {
+
+constexpr int kFragChunk = 128;  // weights per chunk: 4 lanes x 32
+constexpr int kSlotChunks = 4;   // chunks whose loads a lane has in flight at once (2 rows: 128 bytes)
+
+// A fragment row of n values (n % 128 == 0) takes n 32-bit words, as many as the floats it
+// replaces: per chunk c and lane j, 8 k-steps of {hi b0, hi b1, lo b0, lo b1}.
+
+// The 32-bit word of a fragment row that holds value e (hi part; the lo part is 2 words later),
+// and which half of it (0: low).
+__device__ __forceinline__ int frag_word(int e, int& half) {
+  const int c = e >> 7, j = (e >> 5) & 3, q = e & 31, i = q >> 3, n = q & 7, m = n & 3;
+  half = n >> 2;
+  return ((c * 4 + j) * 8 + 2 * i + (m >> 1)) * 4 + (m & 1);
+}
+
+// Stores value v as element e of the fragment row f.
+__device__ __forceinline__ void frag_store(uint32_t* f, int e, float v) {
+  int half;
+  const int w = frag_word(e, half);
+  v *= kMmaXScale;
+  const __half hi = __float2half_rn(v);
+  const __half lo = __float2half_rn(v - __half2float(hi));
+  __half* h = reinterpret_cast<__half*>(f);
+  h[2 * w + half] = hi;
+  h[2 * (w + 2) + half] = lo;
+}
+
+// Two E4M3 block scales (a little-endian 16-bit pair) x 2^7, each in both halves of a half2.
+__device__ __forceinline__ void scale_pair_h2(uint32_t two, __half2& s0, __half2& s1) {
+  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two & 0xFFFFu), __NV_E4M3);
+  const __half2 s = __hmul2(*reinterpret_cast<const __half2*>(&r), __float2half2_rn(128.0f));
+  s0 = __low2half2(s), s1 = __high2half2(s);
+}
+
+// The bytes of one chunk that lane j reads for rows ra and rb of W.
+struct SlotChunk {
+  uint4 qa, qb;     // 32 codes of each row
+  uint32_t sa, sb;  // their two block scales
+};
+
+__device__ __forceinline__ SlotChunk slot_chunk_load(const DLinear& W, int ra, int rb, int c, int j) {
+  const int K = W.in;
+  SlotChunk r;
+  r.qa = __ldg(reinterpret_cast<const uint4*>(W.data + size_t(ra) * (K / 2)) + 4 * c + j);
+  r.qb = __ldg(reinterpret_cast<const uint4*>(W.data + size_t(rb) * (K / 2)) + 4 * c + j);
+  r.sa = __ldg(reinterpret_cast<const uint16_t*>(W.scales + size_t(ra) * (K / 16)) + 4 * c + j);
+  r.sb = __ldg(reinterpret_cast<const uint16_t*>(W.scales + size_t(rb) * (K / 16)) + 4 * c + j);
+  return r;
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& q, int i) {
+  return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
+}
+
+// acc += chunk c of rows ra, rb times the fragment row xf: acc[0..1]
+// row ra, acc[2..3] row rb (the two columns of a lane are equal).
+__device__ __forceinline__ void slot_chunk_mma(const SlotChunk& r, const uint32_t* __restrict__ xf, int c, int j,
+                                               float (&acc)[4]) {
+  __half2 sa[2], sb[2];
+  scale_pair_h2(r.sa, sa[0], sa[1]);
+  scale_pair_h2(r.sb, sb[0], sb[1]);
+  const uint4* xb = reinterpret_cast<const uint4*>(xf) + (c * 4 + j) * 8;
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint32_t pa[4], pb[4];
+    #pragma unroll
+    for (int t = 0; t < 4; ++t) pa[t] = e2m1_pair(word_of(r.qa, i), t), pb[t] = e2m1_pair(word_of(r.qb, i), t);
+    #pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const uint4 b = xb[2 * i + p];
+      const uint32_t a[4] = {h2_bits(__hmul2(bits_h2(pa[2 * p]), sa[i >> 1])),
+                             h2_bits(__hmul2(bits_h2(pb[2 * p]), sb[i >> 1])),
+                             h2_bits(__hmul2(bits_h2(pa[2 * p + 1]), sa[i >> 1])),
+                             h2_bits(__hmul2(bits_h2(pb[2 * p + 1]), sb[i >> 1]))};
+      mma_16816(acc, a, b.x, b.y);
+      mma_16816(acc, a, b.z, b.w);
+    }
+  }
+}
+
+// One round of N chunks: the loads of chunks [c, min(c + N, c1)), then their products.
+template <int N>
+__device__ __forceinline__ void slot_round_load(const DLinear& W, int ra, int rb, int c, int c1, int j,
+                                                SlotChunk (&ch)[N]) {
+  #pragma unroll
+  for (int u = 0; u < N; ++u)
+    if (c + u < c1) ch[u] = slot_chunk_load(W, ra, rb, c + u, j);
+}
+
+// Each chunk of the round into its own accumulator: the 16 MMAs of a chunk depend on each other
+// through theirs, and independent chains let the tensor core overlap them.
+template <int N>
+__device__ __forceinline__ void slot_round_mma(const SlotChunk (&ch)[N], const uint32_t* __restrict__ xf, int c, int c1,
+                                               int j, float (&acc)[N][4]) {
+  #pragma unroll
+  for (int u = 0; u < N; ++u)
+    if (c + u < c1) slot_chunk_mma(ch[u], xf, c + u, j, acc[u]);
+}
+
+// The sum of a round's accumulators: rows ra (out[0]) and rb (out[1]).
+template <int N>
+__device__ __forceinline__ void slot_acc_sum(const float (&acc)[N][4], float (&out)[2]) {
+  #pragma unroll
+  for (int u = 0; u < N; ++u) out[0] += acc[u][0], out[1] += acc[u][2];
+}
+
+// Matrices the per-slot tensor-core down kernel takes: NVFP4, whole chunks.
+__host__ __device__ inline bool slot_mma_fits(const DLinear& W) {
+  return W.format == DFormat::NVFP4 && W.in % kFragChunk == 0;
+}
+
+}  // namespace kestrel::cuda
