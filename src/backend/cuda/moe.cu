@@ -676,14 +676,18 @@ int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual
     return (w.out + rows_per_block - 1) / rows_per_block;
   };
   const int blocks = std::max(blocks_for(m.expert_gate), m.has_shared ? blocks_for(m.shared_gate) : 0);
-  // One token: down on tensor cores (one wave of 16-warp blocks, against 1.3 waves of the CUDA-core
-  // kernel at Qwen3-30B-A3B shapes). Its grid has a block row per token at one block per SM, so
-  // from 2 tokens it takes as many waves and the CUDA-core kernel is ahead (docs/PERF.md v17).
-  if (batch == 1 && slot_mma_enabled() && m.slot_down_mma && (!m.has_shared || slot_mma_fits(m.shared_down))) {
+  // One token: down on tensor cores, a block of 16 warps per 16 rows of hidden at one block per
+  // SM. Measured (docs/PERF.md v17): ahead of the CUDA-core kernel where that grid is at most two
+  // waves (Qwen3-30B-A3B, hidden 2048: -2.5% per step; GLM-4.5-Air, 4096: -2.2%), behind beyond
+  // (GLM-5, 6144: +1.4% per MoE layer; DeepSeek-V3, 7168: +2.4%) and from 2 tokens (a block row
+  // per token: as many waves again).
+  const int down_tiles = (hidden + 15) / 16;
+  if (batch == 1 && down_tiles <= 2 * sm_count() && slot_mma_enabled() && m.slot_down_mma &&
+      (!m.has_shared || slot_mma_fits(m.shared_down))) {
     launch(gate_up_kernel<true>, dim3(unsigned(blocks), unsigned(slots)), dim3(kWarps * 32), 0, stream, m, batch, x,
            s.experts, s.act, s.act_stride);
     KESTREL_CUDA_LAUNCHED();
-    launch(down_mma_kernel, dim3(unsigned((hidden + 15) / 16), unsigned(batch)), dim3(kSlotDownWarps * 32), 0, stream, m,
+    launch(down_mma_kernel, dim3(unsigned(down_tiles), unsigned(batch)), dim3(kSlotDownWarps * 32), 0, stream, m,
            batch, s.experts, s.weights, reinterpret_cast<const uint32_t*>(s.act), s.act_stride, residual);
     KESTREL_CUDA_LAUNCHED();
     return 2;
