@@ -81,8 +81,18 @@ __device__ __forceinline__ void nvfp4_rows_dot(const NvRows (&mat)[M], int K, co
       #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int row = min(r, mat[m].last);
-        c[m * R + r] = __ldg(reinterpret_cast<const uint4*>(mat[m].codes + row * (K / 2)) + g);
-        sc[m * R + r] = __ldg(reinterpret_cast<const uint16_t*>(mat[m].scales + row * (K / 16)) + g);
+        if constexpr (M == 2) {
+          // Gate and up rows: addresses from one 32-bit byte offset per row (the scales' is an
+          // eighth of it) instead of 2 x 2R 64-bit row pointers, which spilled registers in the
+          // MoE gate/up kernel (docs/PERF.md v17: its step -12% at one token). Single matrices
+          // keep the pointers: measured slower this way (o_proj +28%).
+          const uint32_t off = uint32_t(row) * uint32_t(K / 2) + uint32_t(g) * 16u;
+          c[m * R + r] = __ldg(reinterpret_cast<const uint4*>(mat[m].codes + off));
+          sc[m * R + r] = __ldg(reinterpret_cast<const uint16_t*>(mat[m].scales + (off >> 3)));
+        } else {
+          c[m * R + r] = __ldg(reinterpret_cast<const uint4*>(mat[m].codes + row * (K / 2)) + g);
+          sc[m * R + r] = __ldg(reinterpret_cast<const uint16_t*>(mat[m].scales + row * (K / 16)) + g);
+        }
       }
     #pragma unroll
     for (int i = 0; i < 4; ++i) {

@@ -216,14 +216,19 @@ __global__ void __launch_bounds__(kWarps * 32, 3) gate_up_kernel(DMoe m, int bat
   group_sum<R, 1>(gv, red, ks);
   __syncthreads();
   group_sum<R, 1>(uv, red, ks);
-  if (lane == 0 && warp % ks == 0)
+  if (warp % ks == 0) {
+    // Lane r < R stores row row0 + r (the sums are valid in lane 0).
+    float v = 0.0f;
     #pragma unroll
-    for (int r = 0; r < R; ++r)
-      if (row0 + r < g.out) {
-        const float v = gv[r][0] / (1.0f + __expf(-gv[r][0])) * uv[r][0];
-        if (Frag) frag_store(reinterpret_cast<uint32_t*>(act) + size_t(s) * act_stride, row0 + r, v);
-        else act[size_t(s) * act_stride + row0 + r] = v;
-      }
+    for (int r = 0; r < R; ++r) {
+      const float y = __shfl_sync(0xffffffffu, gv[r][0] / (1.0f + __expf(-gv[r][0])) * uv[r][0], 0);
+      if (lane == r) v = y;
+    }
+    if (lane < R && row0 + lane < g.out) {
+      if (Frag) frag_store(reinterpret_cast<uint32_t*>(act) + size_t(s) * act_stride, row0 + lane, v);
+      else act[size_t(s) * act_stride + row0 + lane] = v;
+    }
+  }
 }
 
 // One block per (output element, token): warp w takes the token's slots w, w + kWarps, ...
