@@ -183,7 +183,8 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(DRouter r, cons
 }
 
 // Grid: (rows / kWarps, slots). Slot s < batch*top_k is token s / top_k's j-th expert; the
-// slots after those are the shared expert of each token.
+// slots after those are the shared expert of each token. Frag: act receives fragment rows
+// (slot_mma.cuh) for down_mma_kernel instead of floats.
 template <bool Frag>
 __global__ void __launch_bounds__(kWarps * 32, 3) gate_up_kernel(DMoe m, int batch, const float* __restrict__ x,
                                                               const int32_t* __restrict__ experts, float* __restrict__ act,
