@@ -93,6 +93,12 @@ test::CliResult quantize(const std::string& fixture, const fs::path& out, const 
                      join(r.calib) + " --shard-size " + r.j.at("shard_size").get<std::string>());
 }
 
+float scalar(const TensorView& t) {
+  float v;
+  std::memcpy(&v, t.data, 4);
+  return v;
+}
+
 class QuantizedFixture : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(QuantizedFixture, MatchesTransformersOnItsDequantizedWeights) {
@@ -114,12 +120,20 @@ TEST_P(QuantizedFixture, MatchesTransformersOnItsDequantizedWeights) {
     }
     std::printf("  %s %s: worst relative L2 error %.2e\n", GetParam().c_str(), decode ? "decode" : "prefill", worst);
   }
-  // Byte for byte what the reference script read back and ran (every tensor, nothing more).
+  // Byte for byte what the reference script read back and ran (every tensor, nothing more),
+  // except the input scales: they come from activations of the CPU forward, whose last bits
+  // depend on how the compiler vectorized it for the machine (-march=native, e.g. AVX-512 or
+  // not); neither forward reads them, and QuantizeCheckpoint.LayoutOfTheWrittenFolder checks each
+  // one against the calibration on this machine.
   const auto& want = ref.j.at("tensor_fnv1a64");
   std::set<std::string> names;
   for (const auto& [name, view] : m->checkpoint->tensors()) {
     names.insert(name);
     ASSERT_TRUE(want.contains(name)) << name << " is not in the reference";
+    if (name.ends_with(".input_scale")) {
+      EXPECT_GT(scalar(*view), 0.0f) << name;
+      continue;
+    }
     EXPECT_EQ(fnv1a64(view->data, view->nbytes), want.at(name).get<std::string>()) << name;
   }
   EXPECT_EQ(names.size(), want.size());
@@ -134,12 +148,6 @@ INSTANTIATE_TEST_SUITE_P(Families, QuantizedFixture,
                              if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
                            return n;
                          });
-
-float scalar(const TensorView& t) {
-  float v;
-  std::memcpy(&v, t.data, 4);
-  return v;
-}
 
 // The ModelOpt layout, checked against the source model: which modules, which tensors, their
 // dtypes and shapes, the scales, the settings files, the index, and the dense tensors as stored.
