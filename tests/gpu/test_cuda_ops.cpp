@@ -268,7 +268,24 @@ struct RouterCase {
   ModelConfig c;
   WeightFormat f;
   int H;
+
+  std::string name(int B) const {
+    return std::string(format_name(f)) + " " + std::to_string(c.num_experts) + " experts x " + std::to_string(H) +
+           ", batch " + std::to_string(B);
+  }
 };
+
+// The experts and weights the device chose for each token (de, dw: [B, top_k]) against the CPU's.
+void expect_routing(DeviceBuffer<int32_t>& de, DeviceBuffer<float>& dw, const cpu::Routing& ref, int K,
+                    const std::string& what) {
+  const auto ge = de.download();
+  const auto gw = dw.download();
+  for (size_t i = 0; i < ge.size(); ++i) {
+    const std::string at = what + ", token " + std::to_string(i / size_t(K)) + " slot " + std::to_string(i % size_t(K));
+    EXPECT_EQ(ge[i], ref.experts[i]) << at;
+    EXPECT_NEAR(gw[i], ref.weights[i], 1e-5f) << at;
+  }
+}
 
 // Routing is one launch over chunks of up to 8 tokens: every batch size (partial last chunks
 // included), each launched twice on the same buffers (the chunk counters must be back at 0), in
@@ -300,17 +317,9 @@ TEST(CudaOps, RoutingMatchesCpu) {
       for (int run = 0; run < 2; ++run) {
         dw.poison(), dl.poison(), de.poison();
         cuda::launch_route(router, dx.get(), B, dl.get(), done.get(), de.get(), dw.get(), nullptr);
-        const std::string what = std::string(format_name(rc.f)) + " " + std::to_string(E) + " experts x " +
-                                 std::to_string(H) + ", batch " + std::to_string(B) + ", run " + std::to_string(run);
+        const std::string what = rc.name(B) + ", run " + std::to_string(run);
         EXPECT_LE(test::rel_err(dl.download(), logits), kTol) << what;
-        const auto ge = de.download();
-        const auto gw = dw.download();
-        for (int b = 0; b < B; ++b)
-          for (int j = 0; j < K; ++j) {
-            const size_t i = size_t(b) * K + j;
-            EXPECT_EQ(ge[i], ref.experts[i]) << what << ", token " << b << " slot " << j;
-            EXPECT_NEAR(gw[i], ref.weights[i], 1e-5f) << what << ", token " << b << " slot " << j;
-          }
+        expect_routing(de, dw, ref, K, what);
         for (uint32_t v : done.download()) EXPECT_EQ(v, 0u) << what << ": a chunk counter left set";
       }
     }
@@ -345,16 +354,10 @@ TEST(CudaOps, RoutingWithNormMatchesCpu) {
       EXPECT_EQ(cuda::route_fuses_norm(router, B), B == 1);
       cuda::launch_route(router, dx.get(), B, dl.get(), done.get(), de.get(), dw.get(), nullptr,
                          cuda::RowNorm{dg.get(), 1e-6f, dxn.get()});
-      const std::string what = std::string(format_name(rc.f)) + " " + std::to_string(E) + " experts x " +
-                               std::to_string(H) + ", batch " + std::to_string(B);
+      const std::string what = rc.name(B);
       EXPECT_LE(test::rel_err(dxn.download(), xn), kTol) << what << ": the normalized rows";
       EXPECT_LE(test::rel_err(dl.download(), logits), kTol) << what;
-      const auto ge = de.download();
-      const auto gw = dw.download();
-      for (size_t i = 0; i < ge.size(); ++i) {
-        EXPECT_EQ(ge[i], ref.experts[i]) << what << ", slot " << i;
-        EXPECT_NEAR(gw[i], ref.weights[i], 1e-5f) << what << ", slot " << i;
-      }
+      expect_routing(de, dw, ref, K, what);
     }
   }
 }
