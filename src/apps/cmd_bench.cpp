@@ -83,6 +83,7 @@ std::vector<BarRow> print_graph_ops(cuda::Decoder& dec, const ModelConfig& c, in
               "  when replayed alone (its kernels may start early across the disabled nodes: ops of many tiny\n"
               "  kernels, like rms_norm, read low); the empty graph (%.1f us) is taken off every op\n",
               p.empty_ms * 1e3);
+  if (!p.note.empty()) std::printf("  profiled step: %s\n", p.note.c_str());
   out.push_back({{"op", "between_ops"}, {"batch", B}, {"us", between}, {"step_us", p.step_ms * 1e3}});
   bars.push_back({"between ops", between, 0.0});
   return bars;

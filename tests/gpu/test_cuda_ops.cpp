@@ -7,6 +7,7 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <cstdlib>
 #include <string>
 
 #include "backend/cpu/attention.h"
@@ -268,6 +269,7 @@ struct RouterCase {
   ModelConfig c;
   WeightFormat f;
   int H;
+  bool cluster = false;  // one token takes the one-cluster kernel (BF16 or F32, rows a multiple of 8, small)
 
   std::string name(int B) const {
     return std::string(format_name(f)) + " " + std::to_string(c.num_experts) + " experts x " + std::to_string(H) +
@@ -287,16 +289,24 @@ void expect_routing(DeviceBuffer<int32_t>& de, DeviceBuffer<float>& dw, const cp
   }
 }
 
+// Whether one token takes the one-cluster kernel, as the case expects (unless switched off for an A/B run).
+void expect_cluster(const cuda::DRouter& r, const RouterCase& rc) {
+  const char* e = std::getenv("KESTREL_ROUTE_CLUSTER");
+  EXPECT_EQ(cuda::route_in_cluster(r, 1), rc.cluster && !(e && std::string(e) == "0")) << rc.name(1);
+}
+
 // Routing is one launch over chunks of up to 8 tokens: every batch size (partial last chunks
 // included), each launched twice on the same buffers (the chunk counters must be back at 0), in
 // every router weight format; rows 2048 wide split K over the warps of a block, 132 wide (BF16,
-// not a multiple of 8) take the element-wise path.
+// not a multiple of 8) take the element-wise path. One token of a small BF16 or F32 router takes
+// the one-cluster kernel (60 experts: the last block holds fewer rows; 64: 4 rows a block).
 TEST(CudaOps, RoutingMatchesCpu) {
   std::mt19937 rng(5);
-  for (const RouterCase& rc : {RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::BF16, 2048},
+  for (const RouterCase& rc : {RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::BF16, 2048, true},
                                RouterCase{router_config(false, 60, 4, 1, 1, false), WeightFormat::BF16, 132},
-                               RouterCase{router_config(true, 64, 6, 8, 3, true), WeightFormat::BF16, 128},
-                               RouterCase{router_config(true, 16, 2, 1, 1, true), WeightFormat::F32, 96},
+                               RouterCase{router_config(false, 60, 4, 1, 1, false), WeightFormat::BF16, 256, true},
+                               RouterCase{router_config(true, 64, 6, 8, 3, true), WeightFormat::BF16, 128, true},
+                               RouterCase{router_config(true, 16, 2, 1, 1, true), WeightFormat::F32, 96, true},
                                RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::NVFP4, 2048},
                                RouterCase{router_config(true, 256, 8, 8, 4, true), WeightFormat::NVFP4, 176}}) {
     const ModelConfig& c = rc.c;
@@ -305,6 +315,7 @@ TEST(CudaOps, RoutingMatchesCpu) {
     const auto bias = test::random_floats(size_t(E), rng, 0.1f);
     DeviceBuffer<float> dbias(bias);
     const cuda::DRouter router = cuda::make_router(c, w.dev, dbias.get());
+    expect_cluster(router, rc);
     for (int B : {1, 7, 8, 9, 33, 64}) {
       const auto x = test::random_floats(size_t(B) * H, rng);
       std::vector<float> logits(size_t(B) * E);
@@ -327,10 +338,15 @@ TEST(CudaOps, RoutingMatchesCpu) {
 }
 
 // The router normalizing its input (in its kernel for one token, else by a launch first) leaves
-// the normalized rows for the experts and routes as the CPU does after its own norm.
+// the normalized rows for the experts and routes as the CPU does after its own norm. The
+// one-cluster kernel at one token: 8 and 16 rows a block, one and two 8-weight groups per thread
+// and round (4096 wide), BF16 and F32.
 TEST(CudaOps, RoutingWithNormMatchesCpu) {
   std::mt19937 rng(25);
-  for (const RouterCase& rc : {RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::BF16, 2048},
+  for (const RouterCase& rc : {RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::BF16, 2048, true},
+                               RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::BF16, 4096, true},
+                               RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::F32, 2048, true},
+                               RouterCase{router_config(true, 256, 8, 8, 4, true), WeightFormat::BF16, 176, true},
                                RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::NVFP4, 2048},
                                RouterCase{router_config(true, 256, 8, 8, 4, true), WeightFormat::NVFP4, 176}}) {
     const ModelConfig& c = rc.c;
@@ -340,6 +356,7 @@ TEST(CudaOps, RoutingWithNormMatchesCpu) {
     const auto g = test::random_floats(size_t(H), rng);
     DeviceBuffer<float> dbias(bias), dg(g);
     const cuda::DRouter router = cuda::make_router(c, w.dev, dbias.get());
+    expect_cluster(router, rc);
     for (int B : {1, 3}) {
       const auto x = test::random_floats(size_t(B) * H, rng, 3.0f);
       std::vector<float> xn(x.size()), logits(size_t(B) * E);

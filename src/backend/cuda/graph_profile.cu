@@ -5,6 +5,7 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/decoder.h"
 #include "backend/cuda/graph_profile.h"
+#include "backend/cuda/launch.cuh"
 
 namespace kestrel::cuda {
 
@@ -58,13 +59,18 @@ GraphProfile profile_graph(Decoder& dec, int batch, int replays, cudaStream_t s)
   if (s == nullptr) fail("internal: profile_graph needs a stream other than the legacy default stream");
   OpGraph marks;
   cudaGraph_t graph;
+  const int limit = cluster_limit();
+  cluster_limit() = std::min(limit, 8);
+  cluster_lowered() = false;
   KESTREL_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   try {
     dec.step(batch, s, &marks);
   } catch (...) {
     cudaStreamEndCapture(s, &graph);
+    cluster_limit() = limit;
     throw;
   }
+  cluster_limit() = limit;
   KESTREL_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
   const std::vector<OpGraph::Op> ops = marks.ops();
   cudaGraphExec_t exec;
@@ -72,6 +78,9 @@ GraphProfile profile_graph(Decoder& dec, int batch, int replays, cudaStream_t s)
 
   // The ops by name, in order of first appearance.
   GraphProfile p;
+  if (cluster_lowered())
+    p.note = "the router's cluster has 8 blocks here, 16 in the decoder's own step (the driver cannot switch "
+             "a node of a larger cluster back on)";
   std::map<std::string, size_t> index;
   std::vector<std::vector<cudaGraphNode_t>> nodes_of;
   std::vector<cudaGraphNode_t> all;

@@ -29,6 +29,7 @@ struct GraphProfile {
   double step_ms = 0;   // every node enabled
   double empty_ms = 0;  // every node disabled: the graph's launch and dependency overhead
   std::vector<GraphOpTime> ops;  // in order of first appearance in the step
+  std::string note;              // how the profiled step differs from the decoder's own, if it does
 };
 
 // Notes, while a step is being captured, which nodes each op added to the graph.
@@ -49,7 +50,8 @@ class OpGraph : public OpMarks {
 };
 
 // Captures a step of `batch` (positions not advanced) and times `replays` replays of each
-// configuration. Unsplit decoders only: a split step's collectives need every rank to skip the
+// configuration. Its step launches clusters of at most 8 blocks (cluster_limit()): nodes of
+// larger ones cannot be switched back on. Unsplit decoders only: a split step's collectives need every rank to skip the
 // same nodes.
 GraphProfile profile_graph(Decoder& dec, int batch, int replays, cudaStream_t s);
 

@@ -92,6 +92,40 @@ void launch_pdl(bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_
   KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
+// The largest thread block cluster launches may use: 16 (non-portable) unless lowered. The graph
+// profiler captures its step with 8, since the driver refuses to re-enable a disabled graph node
+// of a larger cluster (cudaGraphNodeSetEnabled: "cluster misconfiguration").
+inline int& cluster_limit() {
+  static int v = 16;
+  return v;
+}
+// Set when a launch took a smaller cluster than it would have without the limit.
+inline bool& cluster_lowered() {
+  static bool v = false;
+  return v;
+}
+
+// launch() for a grid of one thread block cluster of `blocks` blocks (Hopper; more than 8 need
+// the kernel's non-portable cluster size allowed, which this sets).
+template <typename... KArgs, typename... Args>
+void launch_cluster(void (*kernel)(KArgs...), unsigned blocks, dim3 block, cudaStream_t s, Args&&... args) {
+  if (blocks > 8) KESTREL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = block;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = blocks;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = s != nullptr && pdl_enabled() ? 2 : 1;
+  KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
 // The usual launch: with PDL.
 template <typename... KArgs, typename... Args>
 void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args&&... args) {

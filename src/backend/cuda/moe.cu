@@ -1,5 +1,4 @@
 #include <algorithm>
-#include <cfloat>
 #include <cmath>
 #include <cstdlib>
 
@@ -9,178 +8,14 @@
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/mma_tiles.cuh"
 #include "backend/cuda/moe.h"
-#include "backend/cuda/norm_rope.h"
-#include "backend/cuda/reduce.cuh"
 #include "backend/cuda/slot_mma.cuh"
 
 namespace kestrel::cuda {
 namespace {
 
 constexpr int kWarps = 8;
-constexpr int kMaxExperts = 1024;
 constexpr int kGateUpRows = 4;  // gate rows (and as many up rows) per warp in gate_up_kernel
 constexpr int kDownRows = 4;    // rows per warp in down_kernel (8 spills registers)
-constexpr int kRouteWarps = 8;  // warps per router block: a chunk's tokens (kRouteTokens) get a warp each
-constexpr int kRouteRows = 4;   // router rows per block: 32 blocks per token chunk for 128 experts
-static_assert(kRouteTokens <= kRouteWarps, "the router selects a chunk's tokens with a warp each");
-
-// Largest value in v[0..n) (ties: lowest index) across one warp. Returns the index, always in
-// range: NaN logits (a diverged model) must not turn into an expert id past the end.
-__device__ int warp_argmax(const float* v, int n, int lane) {
-  float best = -INFINITY;
-  int idx = n;
-  for (int i = lane; i < n; i += 32)
-    if (v[i] > best || (v[i] == best && i < idx)) best = v[i], idx = i;
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-    if (ob > best || (ob == best && oi < idx)) best = ob, idx = oi;
-  }
-  return min(idx, n - 1);
-}
-
-// Selects one token's experts from its router logits (one warp): softmax, or sigmoid plus the
-// correction bias with group-limited choice; then top-k, renormalization and routed scaling.
-// `logit` was written by other blocks of this launch: read through L2. choice: E floats of
-// shared memory; gscore, sel: 32 each.
-__device__ void select_experts(const DRouter& r, const float* logit, float* choice, float* gscore, int* sel,
-                               int32_t* __restrict__ out_e, float* __restrict__ out_w, int lane) {
-  const int E = r.experts;
-  float mx = 0.0f, inv = 0.0f;
-  if (!r.sigmoid) {
-    mx = -FLT_MAX;
-    #pragma unroll 4
-    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, choice[e] = __ldcg(logit + e));
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    float sum = 0.0f;
-    for (int e = lane; e < E; e += 32) sum += (choice[e] = expf(choice[e] - mx));
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    inv = 1.0f / sum;
-    for (int e = lane; e < E; e += 32) choice[e] *= inv;
-  } else {
-    #pragma unroll 4
-    for (int e = lane; e < E; e += 32) choice[e] = 1.0f / (1.0f + expf(-__ldcg(logit + e))) + r.bias[e];
-  }
-  __syncwarp();
-  if (r.sigmoid && r.n_group > 1) {
-    const int per = E / r.n_group;
-    if (lane < r.n_group) {  // a group's score: the sum of its two best choices
-      float a = -FLT_MAX, c = -FLT_MAX;
-      for (int i = 0; i < per; ++i) {
-        const float v = choice[lane * per + i];
-        if (v > a) c = a, a = v;
-        else if (v > c) c = v;
-      }
-      gscore[lane] = a + c;
-    }
-    __syncwarp();
-    for (int g = 0; g < r.topk_group; ++g) {
-      const int best = warp_argmax(gscore, r.n_group, lane);
-      __syncwarp();
-      if (lane == 0) gscore[best] = -INFINITY, sel[g] = best;
-      __syncwarp();
-    }
-    for (int e = lane; e < E; e += 32) {
-      bool kept = false;
-      for (int g = 0; g < r.topk_group; ++g) kept |= sel[g] == e / per;
-      if (!kept) choice[e] = -INFINITY;
-    }
-    __syncwarp();
-  }
-  for (int j = 0; j < r.top_k; ++j) {
-    const int best = warp_argmax(choice, E, lane);
-    __syncwarp();
-    if (lane == 0) choice[best] = -INFINITY, sel[j] = best;
-    __syncwarp();
-  }
-  // The chosen experts' scores, recomputed from their logits with the expressions above (the same
-  // bits: choice holds score + bias for sigmoid routers), summed in choice order.
-  float w = 0.0f;
-  if (lane < r.top_k) {
-    const float l = __ldcg(logit + sel[lane]);
-    w = r.sigmoid ? 1.0f / (1.0f + expf(-l)) : expf(l - mx) * inv;
-  }
-  float sum = 0.0f;
-  for (int j = 0; j < r.top_k; ++j) sum += __shfl_sync(0xffffffffu, w, j);
-  if (lane < r.top_k) {
-    if (r.norm_topk) w /= r.sigmoid ? sum + 1e-20f : sum;
-    out_e[lane] = sel[lane];
-    out_w[lane] = w * r.scaling;
-  }
-}
-
-// Grid: (blocks of kRouteRows experts, chunks of B tokens). Each block writes the logits of its
-// rows for its chunk's tokens, then counts itself done in done[chunk]; the block that finishes a
-// chunk last selects the experts of the chunk's tokens (a warp per token), so routing costs one
-// launch, and sets the count back to 0 for the next launch (graph replays included). The last
-// chunk may hold fewer than B tokens: it computes the B tokens ending at `batch` (re-reading some
-// of the previous chunk's) and writes only its own, so that every logit has one writer.
-template <int B>
-__global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(DRouter r, const float* __restrict__ x, int batch,
-                                                                 float* logits, unsigned* done,
-                                                                 int32_t* __restrict__ out_e,
-                                                                 float* __restrict__ out_w, RowNorm norm) {
-  // Rows per warp as in linear_kernel (fewer for more tokens bounds registers); the ks warps
-  // that share them split K, and their partial sums are added in warp order.
-  constexpr int R = rows_per_warp<B>() < kRouteRows ? rows_per_warp<B>() : kRouteRows;
-  constexpr int ks = kRouteWarps / (kRouteRows / R);
-  static_assert(kRouteRows % R == 0 && kRouteWarps % (kRouteRows / R) == 0, "router rows must split over the warps");
-  __shared__ float red[kRouteWarps * R * B];
-  __shared__ float gscore[kRouteWarps][32];
-  __shared__ int sel[kRouteWarps][32];
-  __shared__ bool last;
-  extern __shared__ float choice[];  // [kRouteWarps, experts]: the selection's; then norm.w: the normalized row
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const DLinear& W = r.w;
-  const int E = r.experts, K = W.in;
-  const int block_row0 = blockIdx.x * kRouteRows, row0 = block_row0 + (warp / ks) * R;
-  if (blockIdx.y == 0) prefetch_rows_l2(W, block_row0, kRouteRows);
-  float4 g[kRowNormPer];
-  if (B == 1 && norm.w) row_norm_weights(norm.w, K, g);
-  pdl_enter();
-  if (B == 1 && norm.w) {  // one token: every block normalizes it; the first leaves it for the experts
-    float* xs = choice + kRouteWarps * E;
-    block_rms_norm(x, g, K, norm.eps, xs, red);
-    if (blockIdx.x == 0)
-      for (int i = threadIdx.x; i < K / 4; i += blockDim.x)
-        reinterpret_cast<float4*>(norm.out)[i] = reinterpret_cast<const float4*>(xs)[i];
-    x = xs;
-  }
-  const int t0 = blockIdx.y * B, owned = min(B, batch - t0), c0 = min(t0, batch - B);
-  float acc[R][B];
-  #pragma unroll
-  for (int i = 0; i < R; ++i)
-    #pragma unroll
-    for (int b = 0; b < B; ++b) acc[i][b] = 0.0f;
-  if (row0 < E) rows_dot_partial<R, B>(W, row0, x + size_t(c0) * K, K, lane, acc, (warp % ks) * 32, ks * 32);
-  group_sum<R, B>(acc, red, ks);
-  if (lane == 0 && warp % ks == 0) {
-    #pragma unroll
-    for (int i = 0; i < R; ++i) {
-      const int row = row0 + i;
-      if (row >= E) break;
-      const float bias = W.bias ? W.bias[row] : 0.0f;
-      #pragma unroll
-      for (int b = 0; b < B; ++b)
-        if (c0 + b >= t0) logits[size_t(c0 + b) * E + row] = acc[i][b] + bias;
-    }
-    __threadfence();  // the logits before the count (release)
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last = atomicAdd(&done[blockIdx.y], 1u) == gridDim.x - 1;
-    if (last) {
-      done[blockIdx.y] = 0;  // every block of the chunk has counted: nothing else touches it in this launch
-      __threadfence();       // the count before the other blocks' logits (acquire)
-    }
-  }
-  __syncthreads();
-  if (!last || warp >= owned) return;
-  const int t = t0 + warp;
-  select_experts(r, logits + size_t(t) * E, choice + size_t(warp) * E, gscore[warp], sel[warp],
-                 out_e + size_t(t) * r.top_k, out_w + size_t(t) * r.top_k, lane);
-}
 
 // Grid: (rows / kWarps, slots). Slot s < batch*top_k is token s / top_k's j-th expert; the
 // slots after those are the shared expert of each token. Frag: act receives fragment rows
@@ -583,50 +418,6 @@ void describe_experts(DMoe& m, const std::vector<DLinear>& gate, const std::vect
   bool sm = true;
   for (const DLinear& d : down) sm &= slot_mma_fits(d);
   m.slot_down_mma = sm ? 1 : 0;
-}
-
-DRouter make_router(const ModelConfig& c, const DLinear& w, const float* bias) {
-  DRouter r;
-  r.w = w;
-  r.bias = bias;
-  r.experts = int(c.num_experts);
-  r.top_k = int(c.experts_per_token);
-  r.sigmoid = c.router == RouterKind::SigmoidBias;
-  r.norm_topk = c.norm_topk_prob;
-  r.n_group = int(c.n_group);
-  r.topk_group = int(c.topk_group);
-  r.scaling = c.routed_scaling_factor;
-  return r;
-}
-
-bool route_fuses_norm(const DRouter& r, int batch) {
-  const int K = r.w.in;
-  return batch == 1 && K % 4 == 0 && K <= kRowNormMax &&
-         (size_t(kRouteWarps) * size_t(r.experts) + size_t(K)) * sizeof(float) <= 48 * 1024;  // default smem limit
-}
-
-void launch_route(const DRouter& r, const float* x, int batch, float* logits, uint32_t* done, int32_t* experts,
-                  float* weights, cudaStream_t stream, RowNorm norm) {
-  if (norm.w && !norm.out) fail("internal: a router normalization needs a buffer for the normalized rows");
-  if (norm.w && !route_fuses_norm(r, batch)) {
-    launch_rms_norm(x, norm.w, batch, r.w.in, norm.eps, norm.out, stream);
-    x = norm.out;
-    norm = RowNorm{};
-  }
-  if (r.experts > kMaxExperts || r.top_k > 32 || r.n_group > 32)
-    fail("CUDA router supports at most ", kMaxExperts, " experts, top-32 and 32 groups");
-  if (r.w.out != r.experts || batch < 1 || !done)
-    fail("internal: a router of ", r.w.out, " rows for ", r.experts, " experts, batch ", batch,
-         done ? "" : ", no counters");
-  // Chunks of up to kRouteTokens tokens, as even as they can be: `per` tokens each, the last maybe fewer.
-  const int per = (batch + route_chunks(batch) - 1) / route_chunks(batch), chunks = (batch + per - 1) / per;
-  const dim3 grid(unsigned((r.experts + kRouteRows - 1) / kRouteRows), unsigned(chunks));
-  const size_t smem = (size_t(kRouteWarps) * size_t(r.experts) + (norm.w ? size_t(r.w.in) : 0)) * sizeof(float);
-  by_batch(per, [&](auto B) {
-    launch(route_kernel<B()>, grid, dim3(kRouteWarps * 32), smem, stream, r, x, batch, logits, done, experts, weights,
-           norm);
-  });
-  KESTREL_CUDA_LAUNCHED();
 }
 
 void launch_moe(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s, cudaStream_t stream) {

@@ -8,22 +8,10 @@
 #include <vector>
 
 #include "backend/cuda/dlinear.h"
+#include "backend/cuda/route.h"
 #include "model/model_config.h"
 
 namespace kestrel::cuda {
-
-struct DRouter {
-  DLinear w;                        // [experts, hidden]
-  const float* bias = nullptr;      // sigmoid routers: correction bias [experts]
-  int experts = 0, top_k = 0;
-  int sigmoid = 0;                  // 0: softmax router, 1: sigmoid + correction bias
-  int norm_topk = 0;
-  int n_group = 1, topk_group = 1;
-  float scaling = 1.0f;
-};
-
-// The router of a family as ModelConfig describes it, over router weights w (and correction bias).
-DRouter make_router(const ModelConfig& c, const DLinear& w, const float* bias);
 
 struct DMoe {
   DRouter router;
@@ -44,10 +32,6 @@ struct DMoe {
 // device arrays m.gate, m.up, m.down).
 void describe_experts(DMoe& m, const std::vector<DLinear>& gate, const std::vector<DLinear>& up,
                       const std::vector<DLinear>& down);
-
-// The router takes a batch in chunks of up to kRouteTokens tokens; each chunk needs a counter.
-constexpr int kRouteTokens = 8;
-inline int route_chunks(int batch) { return (batch + kRouteTokens - 1) / kRouteTokens; }
 
 // Scratch for one MoE layer at batch B: expert ids and weights [B, top_k], and the gated
 // activations of every (token, slot) pair [B * (top_k + shared), max width].
@@ -74,15 +58,5 @@ int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual
 
 // Routing then experts. x: normalized input [B, hidden]; residual: [B, hidden], receives += MoE output.
 void launch_moe(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s, cudaStream_t stream);
-
-// Routing in one launch: blocks of a few experts' rows write the router logits [B, experts] of
-// each chunk of up to kRouteTokens rows of x; the last block of a chunk to finish selects its
-// tokens' experts (a warp per token). Writes experts and weights [B, top_k]. done:
-// route_chunks(batch) counters, zero before the launch and after it.
-// With norm.w, x is the raw input: the router normalizes it (RMSNorm; inside its own kernel where
-// route_fuses_norm says so, else by a separate launch) and leaves the rows in norm.out for the experts.
-void launch_route(const DRouter& r, const float* x, int batch, float* logits, uint32_t* done, int32_t* experts,
-                  float* weights, cudaStream_t stream, RowNorm norm = {});
-bool route_fuses_norm(const DRouter& r, int batch);
 
 }  // namespace kestrel::cuda

@@ -1,0 +1,473 @@
+#include <cooperative_groups.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cstdlib>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/dequant.cuh"
+#include "backend/cuda/launch.cuh"
+#include "backend/cuda/norm_rope.h"
+#include "backend/cuda/reduce.cuh"
+#include "backend/cuda/route.h"
+
+namespace kestrel::cuda {
+namespace {
+
+constexpr int kRouteWarps = 8;  // warps per router block: a chunk's tokens (kRouteTokens) get a warp each
+constexpr int kRouteRows = 4;   // router rows per block: 32 blocks per token chunk for 128 experts
+static_assert(kRouteTokens <= kRouteWarps, "the router selects a chunk's tokens with a warp each");
+
+// Largest value in v[0..n) (ties: lowest index) across one warp. Returns the index, always in
+// range: NaN logits (a diverged model) must not turn into an expert id past the end.
+__device__ int warp_argmax(const float* v, int n, int lane) {
+  float best = -INFINITY;
+  int idx = n;
+  for (int i = lane; i < n; i += 32)
+    if (v[i] > best || (v[i] == best && i < idx)) best = v[i], idx = i;
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+    if (ob > best || (ob == best && oi < idx)) best = ob, idx = oi;
+  }
+  return min(idx, n - 1);
+}
+
+// The k largest of v[0..n) (ties: lowest index first) into sel[0..k), by one warp, n <= 32 * P:
+// each lane holds P of them as keys that order like the floats, and each round is two warp
+// reductions (the largest key, then the lowest index holding it) instead of warp_argmax's ten
+// shuffles. NaN sorts first, like the largest value; the index is always in range.
+template <int P>
+__device__ void warp_top_k(const float* v, int n, int k, int* sel, int lane) {
+  uint32_t key[P];  // 0: taken, or past n (every float's key is above 0)
+  #pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int e = i * 32 + lane;
+    const uint32_t b = __float_as_uint(e < n ? v[e] + 0.0f : 0.0f);  // + 0: -0 ties with +0
+    key[i] = e < n ? ((b & 0x80000000u) ? ~b : (b | 0x80000000u)) : 0u;
+  }
+  for (int j = 0; j < k; ++j) {
+    uint32_t best = 0;
+    uint32_t at = 0xffffffffu;
+    #pragma unroll
+    for (int i = 0; i < P; ++i)
+      if (key[i] > best) best = key[i], at = uint32_t(i * 32 + lane);
+    const uint32_t top = __reduce_max_sync(0xffffffffu, best);
+    const uint32_t e = __reduce_min_sync(0xffffffffu, best == top ? at : 0xffffffffu);
+    #pragma unroll
+    for (int i = 0; i < P; ++i)
+      if (uint32_t(i * 32 + lane) == e) key[i] = 0;
+    if (lane == 0) sel[j] = int(e);
+  }
+  __syncwarp();
+}
+
+// Selects one token's experts from its router logits (one warp): softmax, or sigmoid plus the
+// correction bias with group-limited choice; then top-k, renormalization and routed scaling.
+// `logit`: in global memory, written by other blocks of this launch (read through L2), or in this
+// block's shared memory (Shared). choice: E floats of shared memory; gscore, sel: 32 each.
+template <bool Shared>
+__device__ float logit_at(const float* logit, int e) {
+  if constexpr (Shared) return logit[e];
+  else return __ldcg(logit + e);
+}
+
+template <bool Shared>
+__device__ void select_experts(const DRouter& r, const float* logit, float* choice, float* gscore, int* sel,
+                               int32_t* __restrict__ out_e, float* __restrict__ out_w, int lane) {
+  const int E = r.experts;
+  float mx = 0.0f, inv = 0.0f;
+  if (!r.sigmoid) {
+    mx = -FLT_MAX;
+    #pragma unroll 4
+    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, choice[e] = logit_at<Shared>(logit, e));
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.0f;
+    for (int e = lane; e < E; e += 32) sum += (choice[e] = expf(choice[e] - mx));
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    inv = 1.0f / sum;
+    for (int e = lane; e < E; e += 32) choice[e] *= inv;
+  } else {
+    #pragma unroll 4
+    for (int e = lane; e < E; e += 32) choice[e] = 1.0f / (1.0f + expf(-logit_at<Shared>(logit, e))) + r.bias[e];
+  }
+  __syncwarp();
+  if (r.sigmoid && r.n_group > 1) {
+    const int per = E / r.n_group;
+    if (lane < r.n_group) {  // a group's score: the sum of its two best choices
+      float a = -FLT_MAX, c = -FLT_MAX;
+      for (int i = 0; i < per; ++i) {
+        const float v = choice[lane * per + i];
+        if (v > a) c = a, a = v;
+        else if (v > c) c = v;
+      }
+      gscore[lane] = a + c;
+    }
+    __syncwarp();
+    for (int g = 0; g < r.topk_group; ++g) {
+      const int best = warp_argmax(gscore, r.n_group, lane);
+      __syncwarp();
+      if (lane == 0) gscore[best] = -INFINITY, sel[g] = best;
+      __syncwarp();
+    }
+    for (int e = lane; e < E; e += 32) {
+      bool kept = false;
+      for (int g = 0; g < r.topk_group; ++g) kept |= sel[g] == e / per;
+      if (!kept) choice[e] = -INFINITY;
+    }
+    __syncwarp();
+  }
+  if (E <= 128) warp_top_k<4>(choice, E, r.top_k, sel, lane);
+  else if (E <= 256) warp_top_k<8>(choice, E, r.top_k, sel, lane);
+  else
+    for (int j = 0; j < r.top_k; ++j) {
+      const int best = warp_argmax(choice, E, lane);
+      __syncwarp();
+      if (lane == 0) choice[best] = -INFINITY, sel[j] = best;
+      __syncwarp();
+    }
+  // The chosen experts' scores, recomputed from their logits with the expressions above (the same
+  // bits: choice holds score + bias for sigmoid routers), summed in choice order.
+  float w = 0.0f;
+  if (lane < r.top_k) {
+    const float l = logit_at<Shared>(logit, sel[lane]);
+    w = r.sigmoid ? 1.0f / (1.0f + expf(-l)) : expf(l - mx) * inv;
+  }
+  float sum = 0.0f;
+  for (int j = 0; j < r.top_k; ++j) sum += __shfl_sync(0xffffffffu, w, j);
+  if (lane < r.top_k) {
+    if (r.norm_topk) w /= r.sigmoid ? sum + 1e-20f : sum;
+    out_e[lane] = sel[lane];
+    out_w[lane] = w * r.scaling;
+  }
+}
+
+// Grid: (blocks of kRouteRows experts, chunks of B tokens). Each block writes the logits of its
+// rows for its chunk's tokens, then counts itself done in done[chunk]; the block that finishes a
+// chunk last selects the experts of the chunk's tokens (a warp per token), so routing costs one
+// launch, and sets the count back to 0 for the next launch (graph replays included). The last
+// chunk may hold fewer than B tokens: it computes the B tokens ending at `batch` (re-reading some
+// of the previous chunk's) and writes only its own, so that every logit has one writer.
+template <int B>
+__global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(DRouter r, const float* __restrict__ x, int batch,
+                                                                 float* logits, unsigned* done,
+                                                                 int32_t* __restrict__ out_e,
+                                                                 float* __restrict__ out_w, RowNorm norm) {
+  // Rows per warp as in linear_kernel (fewer for more tokens bounds registers); the ks warps
+  // that share them split K, and their partial sums are added in warp order.
+  constexpr int R = rows_per_warp<B>() < kRouteRows ? rows_per_warp<B>() : kRouteRows;
+  constexpr int ks = kRouteWarps / (kRouteRows / R);
+  static_assert(kRouteRows % R == 0 && kRouteWarps % (kRouteRows / R) == 0, "router rows must split over the warps");
+  __shared__ float red[kRouteWarps * R * B];
+  __shared__ float gscore[kRouteWarps][32];
+  __shared__ int sel[kRouteWarps][32];
+  __shared__ bool last;
+  extern __shared__ float choice[];  // [kRouteWarps, experts]: the selection's; then norm.w: the normalized row
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const DLinear& W = r.w;
+  const int E = r.experts, K = W.in;
+  const int block_row0 = blockIdx.x * kRouteRows, row0 = block_row0 + (warp / ks) * R;
+  if (blockIdx.y == 0) prefetch_rows_l2(W, block_row0, kRouteRows);
+  float4 g[kRowNormPer];
+  if (B == 1 && norm.w) row_norm_weights(norm.w, K, g);
+  pdl_enter();
+  if (B == 1 && norm.w) {  // one token: every block normalizes it; the first leaves it for the experts
+    float* xs = choice + kRouteWarps * E;
+    block_rms_norm(x, g, K, norm.eps, xs, red);
+    if (blockIdx.x == 0)
+      for (int i = threadIdx.x; i < K / 4; i += blockDim.x)
+        reinterpret_cast<float4*>(norm.out)[i] = reinterpret_cast<const float4*>(xs)[i];
+    x = xs;
+  }
+  const int t0 = blockIdx.y * B, owned = min(B, batch - t0), c0 = min(t0, batch - B);
+  float acc[R][B];
+  #pragma unroll
+  for (int i = 0; i < R; ++i)
+    #pragma unroll
+    for (int b = 0; b < B; ++b) acc[i][b] = 0.0f;
+  if (row0 < E) rows_dot_partial<R, B>(W, row0, x + size_t(c0) * K, K, lane, acc, (warp % ks) * 32, ks * 32);
+  group_sum<R, B>(acc, red, ks);
+  if (lane == 0 && warp % ks == 0) {
+    #pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int row = row0 + i;
+      if (row >= E) break;
+      const float bias = W.bias ? W.bias[row] : 0.0f;
+      #pragma unroll
+      for (int b = 0; b < B; ++b)
+        if (c0 + b >= t0) logits[size_t(c0 + b) * E + row] = acc[i][b] + bias;
+    }
+    __threadfence();  // the logits before the count (release)
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(&done[blockIdx.y], 1u) == gridDim.x - 1;
+    if (last) {
+      done[blockIdx.y] = 0;  // every block of the chunk has counted: nothing else touches it in this launch
+      __threadfence();       // the count before the other blocks' logits (acquire)
+    }
+  }
+  __syncthreads();
+  if (!last || warp >= owned) return;
+  const int t = t0 + warp;
+  select_experts<false>(r, logits + size_t(t) * E, choice + size_t(warp) * E, gscore[warp], sel[warp],
+                 out_e + size_t(t) * r.top_k, out_w + size_t(t) * r.top_k, lane);
+}
+
+// ---- One token in one cluster of blocks (Hopper) ----
+
+constexpr int kClusterThreads = 256;
+constexpr int kClusterRowsMax = 16;                 // router rows per block
+constexpr size_t kClusterBlockBytes = 64u << 10;    // router weight bytes per block at most
+
+// The cluster barrier in two halves: arrive (no ordering) at the start, wait before the first
+// store into another block's shared memory, which is allowed only once every block has started.
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+// A full cluster barrier: every block's shared-memory stores before it are seen by every block after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Eight router weights (an 8-weight group of one row) as loaded: BF16 in one 16-byte load, F32 in two.
+template <bool F32>
+struct Raw8 {
+  uint4 v[F32 ? 2 : 1];
+};
+
+template <bool F32>
+__device__ __forceinline__ Raw8<F32> load8(const DLinear& W, int row, int g) {
+  const uint4* p = reinterpret_cast<const uint4*>(W.data + (size_t(row) * W.in + size_t(g) * 8) * (F32 ? 4 : 2));
+  Raw8<F32> w;
+  w.v[0] = __ldg(p);
+  if constexpr (F32) w.v[1] = __ldg(p + 1);
+  return w;
+}
+
+// acc + the group's weights . x, added in weight order (as rows_dot_partial does).
+template <bool F32>
+__device__ __forceinline__ float fma8(const Raw8<F32>& w, const float (&x)[8], float acc) {
+  const uint32_t u[8] = {w.v[0].x, w.v[0].y, w.v[0].z, w.v[0].w, F32 ? w.v[F32 ? 1 : 0].x : 0u,
+                         F32 ? w.v[F32 ? 1 : 0].y : 0u, F32 ? w.v[F32 ? 1 : 0].z : 0u, F32 ? w.v[F32 ? 1 : 0].w : 0u};
+  #pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float wf = F32 ? __uint_as_float(u[j]) : __uint_as_float((j & 1) ? u[j / 2] & 0xffff0000u : u[j / 2] << 16);
+    acc = fmaf(wf, x[j], acc);
+  }
+  return acc;
+}
+
+// Grid: one cluster of blocks for one token; block `rank` holds router rows rank * rows ..
+// + rows - 1 (rows <= R). Each thread takes the 8-weight groups tid, tid + 256, ... of its rows, G
+// groups' loads in flight at once, and with norm.w also sums the squares of the same x values:
+// the RMSNorm's scale then multiplies the finished dot products, so x and the weights arrive in
+// one memory latency (instead of the norm's, then the weights'). The blocks store their logits
+// into the first block's shared memory; after the cluster barrier one warp of it selects, so no
+// counter in global memory and no second trip through L2 for the logits.
+template <int R, int G, bool F32>
+__global__ void __launch_bounds__(kClusterThreads) route_cluster_kernel(DRouter r, int rows, const float* __restrict__ x,
+                                                                        float* __restrict__ logits,
+                                                                        int32_t* __restrict__ out_e,
+                                                                        float* __restrict__ out_w, RowNorm norm) {
+  __shared__ float logit_s[kMaxExperts];  // the first block's: every block's logits
+  __shared__ float choice[kMaxExperts];
+  __shared__ float red[kClusterThreads / 32][R + 1];
+  __shared__ float gscore[32];
+  __shared__ int sel[32];
+  cluster_arrive_relaxed();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rank = int(cooperative_groups::this_cluster().block_rank());
+  const DLinear& W = r.w;
+  const int E = r.experts, K = W.in, groups = K / 8, row0 = rank * rows, nrows = max(0, min(rows, E - row0));
+  if (nrows > 0) prefetch_rows_l2(W, row0, nrows);
+  pdl_enter();
+  float acc[R], ss = 0.0f;
+  #pragma unroll
+  for (int i = 0; i < R; ++i) acc[i] = 0.0f;
+  #pragma unroll 1
+  for (int g0 = tid; g0 < groups; g0 += G * kClusterThreads) {
+    float xv[G][8];
+    Raw8<F32> w[G][R];
+    #pragma unroll
+    for (int i = 0; i < G; ++i) {
+      const int g = g0 + i * kClusterThreads;
+      const bool ok = g < groups;
+      const float4 a = ok ? reinterpret_cast<const float4*>(x)[2 * g] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const float4 b = ok ? reinterpret_cast<const float4*>(x)[2 * g + 1] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      xv[i][0] = a.x, xv[i][1] = a.y, xv[i][2] = a.z, xv[i][3] = a.w;
+      xv[i][4] = b.x, xv[i][5] = b.y, xv[i][6] = b.z, xv[i][7] = b.w;
+      #pragma unroll
+      for (int rr = 0; rr < R; ++rr) {
+        w[i][rr] = Raw8<F32>{};
+        if (ok && rr < nrows) w[i][rr] = load8<F32>(W, row0 + rr, g);
+      }
+    }
+    #pragma unroll
+    for (int i = 0; i < G; ++i) {
+      const int g = g0 + i * kClusterThreads;
+      if (norm.w && g < groups) {
+        const float4 a = __ldg(reinterpret_cast<const float4*>(norm.w) + 2 * g);
+        const float4 b = __ldg(reinterpret_cast<const float4*>(norm.w) + 2 * g + 1);
+        const float gw[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) ss = fmaf(xv[i][j], xv[i][j], ss), xv[i][j] *= gw[j];
+      }
+      #pragma unroll
+      for (int rr = 0; rr < R; ++rr) acc[rr] = fma8<F32>(w[i][rr], xv[i], acc[rr]);
+    }
+  }
+  #pragma unroll
+  for (int rr = 0; rr < R; ++rr) acc[rr] = warp_sum(acc[rr]);
+  ss = warp_sum(ss);
+  if (lane == 0) {
+    #pragma unroll
+    for (int rr = 0; rr < R; ++rr) red[warp][rr] = acc[rr];
+    red[warp][R] = ss;
+  }
+  __syncthreads();
+  float inv = 1.0f;
+  if (norm.w) {
+    float t = 0.0f;
+    for (int w = 0; w < kClusterThreads / 32; ++w) t += red[w][R];
+    inv = rsqrtf(t / float(K) + norm.eps);
+  }
+  cluster_wait();
+  if (tid < nrows) {
+    float d = 0.0f;
+    for (int w = 0; w < kClusterThreads / 32; ++w) d += red[w][tid];
+    const int row = row0 + tid;
+    const float l = d * inv + (W.bias ? W.bias[row] : 0.0f);
+    logits[row] = l;
+    *cooperative_groups::this_cluster().map_shared_rank(logit_s + row, 0) = l;
+  }
+  if (norm.w && rank == 0)  // the normalized row for the experts, in block_rms_norm's expression
+    for (int i = tid; i < K / 4; i += kClusterThreads) {
+      const float4 a = reinterpret_cast<const float4*>(x)[i], g = __ldg(reinterpret_cast<const float4*>(norm.w) + i);
+      reinterpret_cast<float4*>(norm.out)[i] =
+          make_float4(g.x * (a.x * inv), g.y * (a.y * inv), g.z * (a.z * inv), g.w * (a.w * inv));
+    }
+  cluster_sync();
+  if (rank != 0 || warp != 0) return;
+  select_experts<true>(r, logit_s, choice, gscore, sel, out_e, out_w, lane);
+}
+
+// KESTREL_ROUTE_CLUSTER=0: the counter-based kernel at one token too (A/B runs).
+bool route_cluster_enabled() {
+  static const bool v = [] {
+    const char* e = std::getenv("KESTREL_ROUTE_CLUSTER");
+    return !e || std::atoi(e) != 0;
+  }();
+  return v;
+}
+
+// Blocks of the routing cluster: 16 where the GPU schedules clusters that large (and
+// cluster_limit() allows), else 8; 0 without clusters. Measured on Qwen3-30B-A3B shapes (docs/PERF.md
+// v18): 8 blocks of 16 rows make a step 1.3% slower than 16 of 8.
+int route_cluster_blocks() {
+  static const int most = [] {
+    int dev = 0, major = 0;
+    KESTREL_CUDA_CHECK(cudaGetDevice(&dev));
+    KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    if (major < 9) return 0;
+    auto* k = route_cluster_kernel<kClusterRowsMax, 2, true>;
+    KESTREL_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(16);
+    cfg.blockDim = dim3(kClusterThreads);
+    int most = 0;
+    if (cudaOccupancyMaxPotentialClusterSize(&most, k, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return most;
+  }();
+  const int n = std::min(most, cluster_limit());
+  if (most >= 16 && n < 16) cluster_lowered() = true;
+  return n >= 16 ? 16 : n >= 8 ? 8 : 0;
+}
+
+template <int R, int G, bool F32>
+void launch_route_cluster(const DRouter& r, int blocks, int rows, const float* x, float* logits, int32_t* experts,
+                          float* weights, cudaStream_t stream, RowNorm norm) {
+  launch_cluster(route_cluster_kernel<R, G, F32>, unsigned(blocks), dim3(kClusterThreads), stream, r, rows, x, logits,
+                 experts, weights, norm);
+}
+
+}  // namespace
+
+DRouter make_router(const ModelConfig& c, const DLinear& w, const float* bias) {
+  DRouter r;
+  r.w = w;
+  r.bias = bias;
+  r.experts = int(c.num_experts);
+  r.top_k = int(c.experts_per_token);
+  r.sigmoid = c.router == RouterKind::SigmoidBias;
+  r.norm_topk = c.norm_topk_prob;
+  r.n_group = int(c.n_group);
+  r.topk_group = int(c.topk_group);
+  r.scaling = c.routed_scaling_factor;
+  return r;
+}
+
+bool route_in_cluster(const DRouter& r, int batch) {
+  const bool f32 = r.w.format == DFormat::F32;
+  if (batch != 1 || !route_cluster_enabled() || !(f32 || r.w.format == DFormat::BF16) || r.w.in % 8 != 0 ||
+      r.experts > kMaxExperts || r.w.out != r.experts)
+    return false;
+  const int blocks = route_cluster_blocks();
+  if (blocks == 0) return false;
+  const int rows = (r.experts + blocks - 1) / blocks;
+  return rows <= kClusterRowsMax && size_t(rows) * size_t(r.w.in) * (f32 ? 4 : 2) <= kClusterBlockBytes;
+}
+
+bool route_fuses_norm(const DRouter& r, int batch) {
+  const int K = r.w.in;
+  if (route_in_cluster(r, batch)) return true;
+  return batch == 1 && K % 4 == 0 && K <= kRowNormMax &&
+         (size_t(kRouteWarps) * size_t(r.experts) + size_t(K)) * sizeof(float) <= 48 * 1024;  // default smem limit
+}
+
+void launch_route(const DRouter& r, const float* x, int batch, float* logits, uint32_t* done, int32_t* experts,
+                  float* weights, cudaStream_t stream, RowNorm norm) {
+  if (norm.w && !norm.out) fail("internal: a router normalization needs a buffer for the normalized rows");
+  if (norm.w && !route_fuses_norm(r, batch)) {
+    launch_rms_norm(x, norm.w, batch, r.w.in, norm.eps, norm.out, stream);
+    x = norm.out;
+    norm = RowNorm{};
+  }
+  if (r.experts > kMaxExperts || r.top_k > 32 || r.n_group > 32)
+    fail("CUDA router supports at most ", kMaxExperts, " experts, top-32 and 32 groups");
+  if (r.w.out != r.experts || batch < 1 || !done)
+    fail("internal: a router of ", r.w.out, " rows for ", r.experts, " experts, batch ", batch,
+         done ? "" : ", no counters");
+  if (route_in_cluster(r, batch)) {
+    const int blocks = route_cluster_blocks(), rows = (r.experts + blocks - 1) / blocks;
+    const bool two = r.w.in / 8 > kClusterThreads, f32 = r.w.format == DFormat::F32;
+    auto go = [&](auto R) {
+      if (two) {
+        if (f32) launch_route_cluster<R(), 2, true>(r, blocks, rows, x, logits, experts, weights, stream, norm);
+        else launch_route_cluster<R(), 2, false>(r, blocks, rows, x, logits, experts, weights, stream, norm);
+      } else {
+        if (f32) launch_route_cluster<R(), 1, true>(r, blocks, rows, x, logits, experts, weights, stream, norm);
+        else launch_route_cluster<R(), 1, false>(r, blocks, rows, x, logits, experts, weights, stream, norm);
+      }
+    };
+    if (rows <= 8) go(std::integral_constant<int, 8>{});
+    else go(std::integral_constant<int, kClusterRowsMax>{});
+    KESTREL_CUDA_LAUNCHED();
+    return;
+  }
+  // Chunks of up to kRouteTokens tokens, as even as they can be: `per` tokens each, the last maybe fewer.
+  const int per = (batch + route_chunks(batch) - 1) / route_chunks(batch), chunks = (batch + per - 1) / per;
+  const dim3 grid(unsigned((r.experts + kRouteRows - 1) / kRouteRows), unsigned(chunks));
+  const size_t smem = (size_t(kRouteWarps) * size_t(r.experts) + (norm.w ? size_t(r.w.in) : 0)) * sizeof(float);
+  by_batch(per, [&](auto B) {
+    launch(route_kernel<B()>, grid, dim3(kRouteWarps * 32), smem, stream, r, x, batch, logits, done, experts, weights,
+           norm);
+  });
+  KESTREL_CUDA_LAUNCHED();
+}
+
+}  // namespace kestrel::cuda
