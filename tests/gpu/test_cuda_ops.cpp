@@ -498,6 +498,21 @@ TEST(CudaOps, AttentionSplitCutsWholeBlocks) {
   EXPECT_GE(cuda::attention_split(1024, 4).splits, 32);
 }
 
+// The one-kernel GQA attention takes the largest cluster that keeps one wave of blocks, where
+// that is at most 2 blocks, and leaves the other grids to the split path.
+TEST(CudaOps, AttentionClusterFillsOneWave) {
+  if (std::getenv("KESTREL_ATT_CLUSTER")) GTEST_SKIP() << "KESTREL_ATT_CLUSTER moves the bound";
+  int dev = 0, sms = 0;
+  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), cudaSuccess);
+  EXPECT_EQ(cuda::attention_cluster(sms / 4), 0);  // clusters of 4 would fit: the splits instead
+  EXPECT_EQ(cuda::attention_cluster(sms / 4 + 1), 2);
+  EXPECT_EQ(cuda::attention_cluster(sms / 2), 2);
+  EXPECT_EQ(cuda::attention_cluster(sms / 2 + 1), 1);
+  EXPECT_EQ(cuda::attention_cluster(sms), 1);
+  EXPECT_EQ(cuda::attention_cluster(sms + 1), 0);
+}
+
 // Query heads per attention block divide each KV head's group.
 TEST(CudaOps, AttentionHeadsPerBlock) {
   EXPECT_EQ(cuda::attention_heads_per_block(32, 4, 128), 8);
@@ -562,10 +577,12 @@ TEST(CudaOps, QkRopeAttentionMatchCpu) {
                      ref.data() + size_t(b) * cs.nq * cs.hd, pool);
     }
     // Split counts of both policies, one split, 9 and 7 (GQA attention cuts each sequence's
-    // length into that many chunks of whole blocks; the chunk given is for MLA).
+    // length into that many chunks of whole blocks; the chunk given is for MLA); then one kernel
+    // in clusters of 16, 4 and 1 blocks (the length cut among a cluster's blocks instead).
     const cuda::AttentionSplit splits[] = {cuda::attention_split(cap), cuda::attention_split(cap, B * cs.nkv),
                                            cuda::AttentionSplit{1, cap}, cuda::AttentionSplit{9, 8},
-                                           cuda::AttentionSplit{7, 11}};
+                                           cuda::AttentionSplit{7, 11}, cuda::AttentionSplit{1, cap, 16},
+                                           cuda::AttentionSplit{1, cap, 4}, cuda::AttentionSplit{1, cap, 1}};
     std::vector<std::vector<float>> identity_out;  // per split
     for (bool shuffled : {false, true}) {
       test::PagedKv kv(B, cap, int(row), shuffled, rng);
@@ -595,13 +612,17 @@ TEST(CudaOps, QkRopeAttentionMatchCpu) {
         const cuda::AttentionSplit split = splits[i];
         DeviceBuffer<float> scratch(cuda::attention_scratch_floats(B, cs.nq, cs.hd, split));
         dout.poison();
-        cuda::launch_decode_attention(dq.get(), B, cs.nq, cs.nkv, cs.hd, 1.0f / std::sqrt(float(cs.hd)), dpos.get(),
-                                      kvl, split, scratch.get(), dout.get(), nullptr);
+        const int launches = cuda::launch_decode_attention(dq.get(), B, cs.nq, cs.nkv, cs.hd,
+                                                           1.0f / std::sqrt(float(cs.hd)), dpos.get(), kvl, split,
+                                                           scratch.get(), dout.get(), nullptr);
+        EXPECT_EQ(launches, split.cluster ? 1 : 2);
         const auto got = dout.download();
-        EXPECT_LE(test::rel_err(got, ref), 1e-5)
-            << "hd " << cs.hd << ", " << split.splits << " splits" << (shuffled ? ", shuffled tables" : "");
+        const std::string what = "hd " + std::to_string(cs.hd) + ", " +
+                                 (split.cluster ? "clusters of " + std::to_string(split.cluster)
+                                                : std::to_string(split.splits) + " splits");
+        EXPECT_LE(test::rel_err(got, ref), 1e-5) << what << (shuffled ? ", shuffled tables" : "");
         if (!shuffled) identity_out.push_back(got);
-        else EXPECT_EQ(got, identity_out[i]) << "hd " << cs.hd << ", " << split.splits << " splits";
+        else EXPECT_EQ(got, identity_out[i]) << what;
       }
     }
   }
@@ -659,7 +680,11 @@ TEST(CudaOps, QkRopeAttentionOfOneSequenceMatchCpu) {
                              kv.layer(true), nullptr);
   cuda::launch_decode_attention(dq.get(), T, nq, nkv, hd, 0.125f, dpos.get(), kv.layer(true), split, scratch.get(),
                                 dout.get(), nullptr);
-  EXPECT_LE(test::rel_err(dout.download(), ref), 1e-5);
+  EXPECT_LE(test::rel_err(dout.download(), ref), 1e-5) << "splits";
+  dout.poison();
+  cuda::launch_decode_attention(dq.get(), T, nq, nkv, hd, 0.125f, dpos.get(), kv.layer(true),
+                                cuda::AttentionSplit{1, cap, 8}, nullptr, dout.get(), nullptr);
+  EXPECT_LE(test::rel_err(dout.download(), ref), 1e-5) << "clusters of 8";
 }
 
 TEST(CudaOps, EmbedAndArgmax) {

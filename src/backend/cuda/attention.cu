@@ -1,4 +1,8 @@
+#include <cooperative_groups.h>
+
+#include <algorithm>
 #include <cfloat>
+#include <cstdlib>
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/check.h"
@@ -49,19 +53,23 @@ __device__ __forceinline__ void warp_sums(float (&v)[GH], int lane) {
 // that sequence and loads each key and value row once for its GH query heads (GQA: the
 // cache is read once per group, not once per query head). The chunk comes from the sequence's
 // own length (whole KV blocks, at least one), so a short sequence in a decoder sized for a long
-// context still spreads over every split. Each warp keeps an online softmax per head over its
-// share and the block writes one partial (max, sum, weighted values) per head and split (empty
-// splits too). A warp takes kUnroll consecutive positions at a time, kWarps * kUnroll apart
-// between warps; in chunks of whole blocks they lie in one block of the paged cache, so one
-// table entry serves them.
-template <int kPer, int GH>
-__global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const float* __restrict__ q, int nq, int nkv,
-                                                                       int hd, float scale,
-                                                                       const int32_t* __restrict__ positions,
-                                                                       KvLayer cache, float* __restrict__ part) {
+// context still spreads over every split. Each of the W warps keeps an online softmax per head
+// over its share and the block merges them. A warp takes kUnroll consecutive positions at a
+// time, W * kUnroll apart between warps; in chunks of whole blocks they lie in one block of the
+// paged cache, so one table entry serves them.
+// Split (Fused = false): the block writes one partial (max, sum, weighted values) per head and
+// split (empty splits too) for attention_combine_kernel. Fused: the splits are the blocks of one
+// thread block cluster, which merge their partials through distributed shared memory and write
+// the output themselves: no partials in global memory and no second launch.
+template <int kPer, int GH, int W, bool Fused>
+__global__ void __launch_bounds__(W * 32) attention_partial_kernel(const float* __restrict__ q, int nq, int nkv, int hd,
+                                                                  float scale, const int32_t* __restrict__ positions,
+                                                                  KvLayer cache, float* __restrict__ part,
+                                                                  float* __restrict__ out) {
   constexpr int kUnroll = kPer >= 8 ? 2 : 4;  // positions whose rows are loaded before the first is used
   static_assert(kKvBlock % kUnroll == 0, "a warp's positions lie in one KV block");
-  __shared__ float s_m[kWarps][GH], s_l[kWarps][GH], s_acc[kWarps][GH][kPer * 32];
+  __shared__ float s_m[W][GH], s_l[W][GH];
+  extern __shared__ float s_acc[];  // [W][GH][kPer * 32]; Fused: [0][g] then holds the block's merged values
   const int groups = nq / nkv / GH, kvh = blockIdx.x / groups;
   const int h0 = kvh * (nq / nkv) + (blockIdx.x % groups) * GH;
   const int b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -85,7 +93,7 @@ __global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const fl
   }
   const float* kbase = cache.k + size_t(kvh) * hd;
   const float* vbase = cache.v + size_t(kvh) * hd;
-  for (int p0 = begin + warp * kUnroll; p0 < end; p0 += kWarps * kUnroll) {
+  for (int p0 = begin + warp * kUnroll; p0 < end; p0 += W * kUnroll) {
     float kr[kUnroll][kPer], vr[kUnroll][kPer];
     const size_t first = kv_offset(cache, b, p0);  // p0 .. p0 + kUnroll - 1 share its block
     #pragma unroll
@@ -119,30 +127,57 @@ __global__ void __launch_bounds__(kWarps * 32) attention_partial_kernel(const fl
       }
     }
   }
+  constexpr int kRow = kPer * 32;  // s_acc floats per (warp, head)
   #pragma unroll
   for (int g = 0; g < GH; ++g) {
     if (lane == 0) s_m[warp][g] = m[g], s_l[warp][g] = l[g];
     #pragma unroll
-    for (int i = 0; i < kPer; ++i) s_acc[warp][g][lane + 32 * i] = acc[g][i];
+    for (int i = 0; i < kPer; ++i) s_acc[(warp * GH + g) * kRow + lane + 32 * i] = acc[g][i];
   }
   __syncthreads();
-  // Warp w merges the warps' partials of heads w, w + kWarps, ...
-  for (int g = warp; g < GH; g += kWarps) {
+  // Warp w merges the warps' partials of heads w, w + W, ... (in Fused, into s_acc[0][g]: each
+  // element is read by the one lane that then overwrites it).
+  __shared__ float c_m[GH], c_l[GH];
+  for (int g = warp; g < GH; g += W) {
     float M = -FLT_MAX;
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, s_m[w][g]);
+    for (int w = 0; w < W; ++w) M = fmaxf(M, s_m[w][g]);
     float L = 0.0f;
-    for (int w = 0; w < kWarps; ++w) L += s_l[w][g] * __expf(s_m[w][g] - M);
+    for (int w = 0; w < W; ++w) L += s_l[w][g] * __expf(s_m[w][g] - M);
     // Partial layout: [b][h][split][hd + 2] = weighted values, then max and sum.
-    float* out = part + ((size_t(b) * nq + h0 + g) * splits + split) * (hd + 2);
+    float* o = Fused ? s_acc + g * kRow : part + ((size_t(b) * nq + h0 + g) * splits + split) * (hd + 2);
     #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int d = lane + 32 * i;
       if (d >= hd) continue;
       float t = 0.0f;
-      for (int w = 0; w < kWarps; ++w) t += s_acc[w][g][d] * __expf(s_m[w][g] - M);
-      out[d] = t;
+      for (int w = 0; w < W; ++w) t += s_acc[(w * GH + g) * kRow + d] * __expf(s_m[w][g] - M);
+      o[d] = t;
     }
-    if (lane == 0) out[hd] = M, out[hd + 1] = L;
+    if (lane == 0) {
+      if constexpr (Fused) c_m[g] = M, c_l[g] = L;
+      else o[hd] = M, o[hd + 1] = L;
+    }
+  }
+  if constexpr (Fused) {
+    cluster_sync();  // every block's merged values are in its shared memory
+    // The cluster's GH x hd outputs, a contiguous share per block: each is the blocks' values
+    // weighted by exp(max - overall max), over the blocks' sums weighted alike.
+    namespace cg = cooperative_groups;
+    const cg::cluster_group cl = cg::this_cluster();
+    const int n = GH * hd, per = (n + splits - 1) / splits;
+    for (int o = split * per + int(threadIdx.x); o < min(n, (split + 1) * per); o += W * 32) {
+      const int g = o / hd, d = o % hd;
+      float M = -FLT_MAX;
+      for (int c = 0; c < splits; ++c) M = fmaxf(M, *cl.map_shared_rank(c_m + g, c));
+      float L = 0.0f, t = 0.0f;
+      for (int c = 0; c < splits; ++c) {
+        const float w = __expf(*cl.map_shared_rank(c_m + g, c) - M);
+        L = fmaf(*cl.map_shared_rank(c_l + g, c), w, L);
+        t = fmaf(*cl.map_shared_rank(s_acc + g * kRow + d, c), w, t);
+      }
+      out[(size_t(b) * nq + h0 + g) * hd + d] = t / L;
+    }
+    cluster_sync();  // no block leaves while another reads its shared memory
   }
 }
 
@@ -222,17 +257,34 @@ int attention_heads_per_block(int nq, int nkv, int hd) {
 
 namespace {
 
+constexpr int kFusedWarps = 16;  // warps per block of the cluster path: its C blocks do the work of 4C splits
+
+template <int kPer, int GH>
+void launch_partial_gh(dim3 grid, const AttentionSplit& split, cudaStream_t s, const float* q, int nq, int nkv, int hd,
+                       float scale, const int32_t* positions, const KvLayer& cache, float* scratch, float* out) {
+  if (split.cluster > 0) {
+    auto* k = attention_partial_kernel<kPer, GH, kFusedWarps, true>;
+    const size_t smem = size_t(kFusedWarps) * GH * kPer * 32 * sizeof(float);
+    KESTREL_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    const unsigned c = unsigned(split.cluster);
+    launch_cluster(k, dim3(grid.x, grid.y, c), dim3(1, 1, c), dim3(kFusedWarps * 32), smem, s, q, nq, nkv, hd, scale,
+                   positions, cache, nullptr, out);
+    return;
+  }
+  launch(attention_partial_kernel<kPer, GH, kWarps, false>, grid, dim3(kWarps * 32),
+         size_t(kWarps) * GH * kPer * 32 * sizeof(float), s, q, nq, nkv, hd, scale, positions, cache, scratch, nullptr);
+}
+
 template <int kPer>
-void launch_partial(int gh, dim3 grid, cudaStream_t s, const float* q, int nq, int nkv, int hd, float scale,
-                    const int32_t* positions, const KvLayer& cache, float* scratch) {
-  const dim3 block(kWarps * 32);
+void launch_partial(int gh, dim3 grid, const AttentionSplit& split, cudaStream_t s, const float* q, int nq, int nkv,
+                    int hd, float scale, const int32_t* positions, const KvLayer& cache, float* scratch, float* out) {
   switch (gh) {
-    case 1: launch(attention_partial_kernel<kPer, 1>, grid, block, 0, s, q, nq, nkv, hd, scale, positions, cache, scratch); break;
-    case 2: launch(attention_partial_kernel<kPer, 2>, grid, block, 0, s, q, nq, nkv, hd, scale, positions, cache, scratch); break;
-    case 4: launch(attention_partial_kernel<kPer, 4>, grid, block, 0, s, q, nq, nkv, hd, scale, positions, cache, scratch); break;
+    case 1: launch_partial_gh<kPer, 1>(grid, split, s, q, nq, nkv, hd, scale, positions, cache, scratch, out); break;
+    case 2: launch_partial_gh<kPer, 2>(grid, split, s, q, nq, nkv, hd, scale, positions, cache, scratch, out); break;
+    case 4: launch_partial_gh<kPer, 4>(grid, split, s, q, nq, nkv, hd, scale, positions, cache, scratch, out); break;
     default:
       if constexpr (kPer < 8) {
-        launch(attention_partial_kernel<kPer, 8>, grid, block, 0, s, q, nq, nkv, hd, scale, positions, cache, scratch);
+        launch_partial_gh<kPer, 8>(grid, split, s, q, nq, nkv, hd, scale, positions, cache, scratch, out);
       } else {
         fail("internal: ", gh, " query heads per attention block at head_dim ", hd);
       }
@@ -241,21 +293,50 @@ void launch_partial(int gh, dim3 grid, cudaStream_t s, const float* q, int nq, i
 
 }  // namespace
 
-void launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, float scale,
-                             const int32_t* positions, KvLayer cache, const AttentionSplit& split, float* scratch,
-                             float* out, cudaStream_t s) {
+// Clusters of more blocks than this lose to the split path: with one head block per block of
+// the cluster path, a wave of them holds fewer warps than the splits do (Qwen3-30B-A3B shapes,
+// docs/PERF.md v18: batch 1 and 4 slower with clusters of 16 and 8; batch 16 and 32, clusters of 2
+// and 1, 5% and 8% faster). KESTREL_ATT_CLUSTER=N sets it (0: the split path always; A/B runs).
+int attention_cluster_most() {
+  static const int v = [] {
+    const char* e = std::getenv("KESTREL_ATT_CLUSTER");
+    return e ? std::max(0, std::min(16, std::atoi(e))) : 2;
+  }();
+  return v;
+}
+
+int attention_cluster(int head_blocks) {
+  static const int most = [] {
+    auto* k = attention_partial_kernel<4, 8, kFusedWarps, true>;
+    const size_t smem = size_t(kFusedWarps) * 8 * 4 * 32 * sizeof(float);
+    KESTREL_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    return max_cluster_blocks(k, dim3(kFusedWarps * 32), smem);
+  }();
+  if (most == 0 || head_blocks < 1 || head_blocks > sm_count()) return 0;
+  int c = 1;
+  while (2 * c <= std::min({most, 16, cluster_limit()}) && head_blocks * 2 * c <= sm_count()) c *= 2;
+  return c <= attention_cluster_most() ? c : 0;
+}
+
+int launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, float scale,
+                            const int32_t* positions, KvLayer cache, const AttentionSplit& split, float* scratch,
+                            float* out, cudaStream_t s) {
   if (hd > kMaxHd) fail("CUDA decode attention supports head_dim up to ", kMaxHd, ", got ", hd);
   if (nkv < 1 || nq % nkv != 0) fail("internal: ", nq, " query heads over ", nkv, " KV heads");
   if (!cache.table || cache.row != nkv * hd)
     fail("internal: a KV cache of rows of ", cache.row, " floats for ", nkv, " heads of ", hd);
+  if (split.cluster < 0 || split.cluster > 16 || (split.cluster & (split.cluster - 1)) != 0)
+    fail("internal: attention clusters of ", split.cluster, " blocks");
   const int gh = attention_heads_per_block(nq, nkv, hd);
   const dim3 grid(unsigned(nq / gh), unsigned(batch), unsigned(split.splits));
-  if (hd <= 32) launch_partial<1>(gh, grid, s, q, nq, nkv, hd, scale, positions, cache, scratch);
-  else if (hd <= 64) launch_partial<2>(gh, grid, s, q, nq, nkv, hd, scale, positions, cache, scratch);
-  else if (hd <= 128) launch_partial<4>(gh, grid, s, q, nq, nkv, hd, scale, positions, cache, scratch);
-  else launch_partial<8>(gh, grid, s, q, nq, nkv, hd, scale, positions, cache, scratch);
+  if (hd <= 32) launch_partial<1>(gh, grid, split, s, q, nq, nkv, hd, scale, positions, cache, scratch, out);
+  else if (hd <= 64) launch_partial<2>(gh, grid, split, s, q, nq, nkv, hd, scale, positions, cache, scratch, out);
+  else if (hd <= 128) launch_partial<4>(gh, grid, split, s, q, nq, nkv, hd, scale, positions, cache, scratch, out);
+  else launch_partial<8>(gh, grid, split, s, q, nq, nkv, hd, scale, positions, cache, scratch, out);
   KESTREL_CUDA_LAUNCHED();
+  if (split.cluster > 0) return 1;
   launch_attention_combine(scratch, batch, nq, hd, split, out, s);
+  return 2;
 }
 
 void launch_attention_combine(const float* part, int batch, int nq, int hd, const AttentionSplit& split, float* out,

@@ -16,6 +16,10 @@ namespace kestrel::cuda {
 // `chunk` is the chunk at full capacity.
 struct AttentionSplit {
   int splits = 1, chunk = 1;
+  // GQA decode in one kernel (launch_decode_attention): with cluster > 0, each (head group,
+  // sequence) is one thread block cluster of `cluster` blocks of 16 warps, which cut the length
+  // among them in place of `splits` and merge through distributed shared memory; 0: splits + combine.
+  int cluster = 0;
 };
 // parallel: the blocks of one split (batch x KV heads for launch_decode_attention); with it, the
 // splits fill the GPU (two blocks per SM) and cut long contexts into chunks of at most 256
@@ -23,6 +27,12 @@ struct AttentionSplit {
 // blocks serve 8 heads each).
 // At most 64 splits.
 AttentionSplit attention_split(int max_context, int parallel = 0);
+
+// The cluster for launch_decode_attention over head_blocks (head groups x sequences) blocks: the
+// largest of 16, 8, 4, 2, 1 blocks (within cluster_limit()) that keeps the grid within one wave of
+// one block per SM, where that is at most 2 blocks (larger clusters measured slower than the
+// splits; KESTREL_ATT_CLUSTER=N moves the bound); 0 (splits + combine) otherwise and below Hopper.
+int attention_cluster(int head_blocks);
 
 // Query heads that one block of launch_decode_attention serves with each key/value row it loads
 // (a divisor of nq / nkv: 8, 4, 2 or 1; 4 at most above head_dim 128, for registers).
@@ -38,8 +48,9 @@ void launch_attention_combine(const float* part, int batch, int nq, int hd, cons
                               cudaStream_t s);
 
 // q: [B, nq, hd]; row b attends to positions 0..positions[b] of its sequence in the cache (rows
-// of nkv * hd). out: [B, nq, hd].
-void launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, float scale,
+// of nkv * hd). out: [B, nq, hd]. Returns the kernels launched: 1 in clusters (split.cluster; no
+// scratch), else 2 (the splits' partials in scratch, then their combination).
+int launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, float scale,
                              const int32_t* positions, KvLayer cache, const AttentionSplit& split, float* scratch,
                              float* out, cudaStream_t s);
 

@@ -373,8 +373,9 @@ void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, Logits rows, bool 
       op("qkv_proj", 1, double(L.q.bytes() + L.k.bytes() + L.v.bytes()));
       launch_qk_rope_store(q_, k_, v_, batch, nq, nkv, hd, L.q_norm, L.k_norm, eps, rope, positions_, kvl, s);
       op("qk_norm_rope", 1, act * (nq + 2 * nkv) * hd);
-      launch_decode_attention(q_, batch, nq, nkv, hd, scale, positions_, kvl, gqa_split(batch), att_scratch_, att_, s);
-      op("attention", 2, 0.0);  // KV bytes depend on the positions: the caller adds them
+      const int att_launches =
+          launch_decode_attention(q_, batch, nq, nkv, hd, scale, positions_, kvl, gqa_split(batch), att_scratch_, att_, s);
+      op("attention", att_launches, 0.0);  // KV bytes depend on the positions: the caller adds them
       const LinearJob o[1] = {{L.o, out}};
       launch_linear(o, 1, att_, batch, !split, s);
       op("o_proj", 1, double(L.o.bytes()));

@@ -136,7 +136,11 @@ class Decoder {
   int table_stride_ = 0;
   AttentionSplit split_;  // MLA attention's
   AttentionSplit gqa_split(int batch) const {  // GQA attention's, per batch (fixed in each batch's graph)
-    return attention_split(max_context_, batch * int(m_.config().num_kv_heads));
+    const ModelConfig& c = m_.config();
+    AttentionSplit s = attention_split(max_context_, batch * int(c.num_kv_heads));
+    const int nq = int(c.num_heads), gh = attention_heads_per_block(nq, int(c.num_kv_heads), int(c.head_dim));
+    s.cluster = attention_cluster(batch * (nq / gh));
+    return s;
   }
   // MLA: q latent, kv latent, queries, queries in latent space, latent attention output, values;
   // DSA indexer: queries, key, head weights, scores, selected positions and their count.

@@ -105,25 +105,61 @@ inline bool& cluster_lowered() {
   return v;
 }
 
-// launch() for a grid of one thread block cluster of `blocks` blocks (Hopper; more than 8 need
-// the kernel's non-portable cluster size allowed, which this sets).
+// launch() in thread block clusters of `cluster` blocks (Hopper; more than 8 need the kernel's
+// non-portable cluster size allowed, which this sets), with PDL as launch() does.
 template <typename... KArgs, typename... Args>
-void launch_cluster(void (*kernel)(KArgs...), unsigned blocks, dim3 block, cudaStream_t s, Args&&... args) {
-  if (blocks > 8) KESTREL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+void launch_cluster(void (*kernel)(KArgs...), dim3 grid, dim3 cluster, dim3 block, size_t smem, cudaStream_t s,
+                    Args&&... args) {
+  if (cluster.x * cluster.y * cluster.z > 8)
+    KESTREL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(blocks);
+  cfg.gridDim = grid;
   cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = blocks;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
+  attr[0].val.clusterDim.x = cluster.x;
+  attr[0].val.clusterDim.y = cluster.y;
+  attr[0].val.clusterDim.z = cluster.z;
   attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = s != nullptr && pdl_enabled() ? 2 : 1;
   KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+// The largest cluster (16, 8, 4, 2 or 1 blocks) the device schedules for `kernel` launched with
+// `block` threads and `smem` bytes of dynamic shared memory, within cluster_limit(); 0 below Hopper.
+template <typename... KArgs>
+int max_cluster_blocks(void (*kernel)(KArgs...), dim3 block, size_t smem) {
+  int dev = 0, major = 0;
+  KESTREL_CUDA_CHECK(cudaGetDevice(&dev));
+  KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  if (major < 9) return 0;
+  KESTREL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(16);
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  int most = 0;
+  if (cudaOccupancyMaxPotentialClusterSize(&most, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  int n = 1;
+  while (n < 16 && 2 * n <= most) n *= 2;
+  return n;
+}
+
+// The cluster barrier in two halves: arrive (no ordering) early, and wait before the first store
+// into another block's shared memory, which is allowed only once every block has started.
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+// A full cluster barrier: every block's shared-memory stores before it are seen by every block after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 // The usual launch: with PDL.

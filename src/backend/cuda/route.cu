@@ -221,16 +221,6 @@ constexpr int kClusterThreads = 256;
 constexpr int kClusterRowsMax = 16;                 // router rows per block
 constexpr size_t kClusterBlockBytes = 64u << 10;    // router weight bytes per block at most
 
-// The cluster barrier in two halves: arrive (no ordering) at the start, wait before the first
-// store into another block's shared memory, which is allowed only once every block has started.
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
-// A full cluster barrier: every block's shared-memory stores before it are seen by every block after it.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
 // Eight router weights (an 8-weight group of one row) as loaded: BF16 in one 16-byte load, F32 in two.
 template <bool F32>
 struct Raw8 {
@@ -366,33 +356,17 @@ bool route_cluster_enabled() {
 // cluster_limit() allows), else 8; 0 without clusters. Measured on Qwen3-30B-A3B shapes (docs/PERF.md
 // v18): 8 blocks of 16 rows make a step 1.3% slower than 16 of 8.
 int route_cluster_blocks() {
-  static const int most = [] {
-    int dev = 0, major = 0;
-    KESTREL_CUDA_CHECK(cudaGetDevice(&dev));
-    KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    if (major < 9) return 0;
-    auto* k = route_cluster_kernel<kClusterRowsMax, 2, true>;
-    KESTREL_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(16);
-    cfg.blockDim = dim3(kClusterThreads);
-    int most = 0;
-    if (cudaOccupancyMaxPotentialClusterSize(&most, k, &cfg) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return 0;
-    }
-    return most;
-  }();
+  static const int most = max_cluster_blocks(route_cluster_kernel<kClusterRowsMax, 2, true>, dim3(kClusterThreads), 0);
   const int n = std::min(most, cluster_limit());
   if (most >= 16 && n < 16) cluster_lowered() = true;
-  return n >= 16 ? 16 : n >= 8 ? 8 : 0;
+  return n >= 8 ? n : 0;
 }
 
 template <int R, int G, bool F32>
 void launch_route_cluster(const DRouter& r, int blocks, int rows, const float* x, float* logits, int32_t* experts,
                           float* weights, cudaStream_t stream, RowNorm norm) {
-  launch_cluster(route_cluster_kernel<R, G, F32>, unsigned(blocks), dim3(kClusterThreads), stream, r, rows, x, logits,
-                 experts, weights, norm);
+  launch_cluster(route_cluster_kernel<R, G, F32>, dim3(unsigned(blocks)), dim3(unsigned(blocks)), dim3(kClusterThreads),
+                 0, stream, r, rows, x, logits, experts, weights, norm);
 }
 
 }  // namespace
