@@ -269,7 +269,7 @@ struct RouterCase {
   ModelConfig c;
   WeightFormat f;
   int H;
-  bool cluster = false;  // one token takes the one-cluster kernel (BF16 or F32, rows a multiple of 8, small)
+  int cluster = 0;  // batches up to this take the one-cluster kernel (BF16 or F32, rows a multiple of 8, small)
 
   std::string name(int B) const {
     return std::string(format_name(f)) + " " + std::to_string(c.num_experts) + " experts x " + std::to_string(H) +
@@ -289,24 +289,26 @@ void expect_routing(DeviceBuffer<int32_t>& de, DeviceBuffer<float>& dw, const cp
   }
 }
 
-// Whether one token takes the one-cluster kernel, as the case expects (unless switched off for an A/B run).
+// Whether each batch takes the one-cluster kernel as the case expects (unless switched off for an
+// A/B run): small BF16 and F32 routers up to 4 tokens.
 void expect_cluster(const cuda::DRouter& r, const RouterCase& rc) {
   const char* e = std::getenv("KESTREL_ROUTE_CLUSTER");
-  EXPECT_EQ(cuda::route_in_cluster(r, 1), rc.cluster && !(e && std::string(e) == "0")) << rc.name(1);
+  const bool on = !(e && std::string(e) == "0");
+  for (int B = 1; B <= 9; ++B) EXPECT_EQ(cuda::route_in_cluster(r, B), on && B <= rc.cluster) << rc.name(B);
 }
 
 // Routing is one launch over chunks of up to 8 tokens: every batch size (partial last chunks
 // included), each launched twice on the same buffers (the chunk counters must be back at 0), in
 // every router weight format; rows 2048 wide split K over the warps of a block, 132 wide (BF16,
-// not a multiple of 8) take the element-wise path. One token of a small BF16 or F32 router takes
-// the one-cluster kernel (60 experts: the last block holds fewer rows; 64: 4 rows a block).
+// not a multiple of 8) take the element-wise path. Up to 4 tokens of a small BF16 or F32 router
+// take the one-cluster kernel (60 experts: the last block holds fewer rows; 64: 4 rows a block).
 TEST(CudaOps, RoutingMatchesCpu) {
   std::mt19937 rng(5);
-  for (const RouterCase& rc : {RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::BF16, 2048, true},
+  for (const RouterCase& rc : {RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::BF16, 2048, 4},
                                RouterCase{router_config(false, 60, 4, 1, 1, false), WeightFormat::BF16, 132},
-                               RouterCase{router_config(false, 60, 4, 1, 1, false), WeightFormat::BF16, 256, true},
-                               RouterCase{router_config(true, 64, 6, 8, 3, true), WeightFormat::BF16, 128, true},
-                               RouterCase{router_config(true, 16, 2, 1, 1, true), WeightFormat::F32, 96, true},
+                               RouterCase{router_config(false, 60, 4, 1, 1, false), WeightFormat::BF16, 256, 4},
+                               RouterCase{router_config(true, 64, 6, 8, 3, true), WeightFormat::BF16, 128, 4},
+                               RouterCase{router_config(true, 16, 2, 1, 1, true), WeightFormat::F32, 96, 4},
                                RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::NVFP4, 2048},
                                RouterCase{router_config(true, 256, 8, 8, 4, true), WeightFormat::NVFP4, 176}}) {
     const ModelConfig& c = rc.c;
@@ -316,7 +318,7 @@ TEST(CudaOps, RoutingMatchesCpu) {
     DeviceBuffer<float> dbias(bias);
     const cuda::DRouter router = cuda::make_router(c, w.dev, dbias.get());
     expect_cluster(router, rc);
-    for (int B : {1, 7, 8, 9, 33, 64}) {
+    for (int B : {1, 2, 7, 8, 9, 33, 64}) {
       const auto x = test::random_floats(size_t(B) * H, rng);
       std::vector<float> logits(size_t(B) * E);
       ThreadPool pool(1);
@@ -337,16 +339,16 @@ TEST(CudaOps, RoutingMatchesCpu) {
   }
 }
 
-// The router normalizing its input (in its kernel for one token, else by a launch first) leaves
-// the normalized rows for the experts and routes as the CPU does after its own norm. The
-// one-cluster kernel at one token: 8 and 16 rows a block, one and two 8-weight groups per thread
-// and round (4096 wide), BF16 and F32.
+// The router normalizing its input (in its kernel for one token or in the one-cluster kernel,
+// else by a launch first) leaves the normalized rows for the experts and routes as the CPU does
+// after its own norm. The one-cluster kernel: 8 and 16 rows a block, one and two 8-weight groups
+// per thread and round (4096 wide), BF16 and F32, one token and three.
 TEST(CudaOps, RoutingWithNormMatchesCpu) {
   std::mt19937 rng(25);
-  for (const RouterCase& rc : {RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::BF16, 2048, true},
-                               RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::BF16, 4096, true},
-                               RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::F32, 2048, true},
-                               RouterCase{router_config(true, 256, 8, 8, 4, true), WeightFormat::BF16, 176, true},
+  for (const RouterCase& rc : {RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::BF16, 2048, 4},
+                               RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::BF16, 4096, 4},
+                               RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::F32, 2048, 4},
+                               RouterCase{router_config(true, 256, 8, 8, 4, true), WeightFormat::BF16, 176, 4},
                                RouterCase{router_config(false, 128, 8, 1, 1, true), WeightFormat::NVFP4, 2048},
                                RouterCase{router_config(true, 256, 8, 8, 4, true), WeightFormat::NVFP4, 176}}) {
     const ModelConfig& c = rc.c;
@@ -368,7 +370,7 @@ TEST(CudaOps, RoutingWithNormMatchesCpu) {
       DeviceBuffer<int32_t> de(size_t(B) * K);
       DeviceBuffer<uint32_t> done(std::vector<uint32_t>(size_t(cuda::route_chunks(B)), 0));
       dxn.poison(), dw.poison(), dl.poison(), de.poison();
-      EXPECT_EQ(cuda::route_fuses_norm(router, B), B == 1);
+      EXPECT_EQ(cuda::route_fuses_norm(router, B), B == 1 || cuda::route_in_cluster(router, B));
       cuda::launch_route(router, dx.get(), B, dl.get(), done.get(), de.get(), dw.get(), nullptr,
                          cuda::RowNorm{dg.get(), 1e-6f, dxn.get()});
       const std::string what = rc.name(B);

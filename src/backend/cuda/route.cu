@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(DRouter r, cons
                  out_e + size_t(t) * r.top_k, out_w + size_t(t) * r.top_k, lane);
 }
 
-// ---- One token in one cluster of blocks (Hopper) ----
+// ---- Up to kClusterTokens tokens in one cluster of blocks (Hopper) ----
 
 constexpr int kClusterThreads = 256;
 constexpr int kClusterRowsMax = 16;                 // router rows per block
@@ -249,45 +249,61 @@ __device__ __forceinline__ float fma8(const Raw8<F32>& w, const float (&x)[8], f
   return acc;
 }
 
-// Grid: one cluster of blocks for one token; block `rank` holds router rows rank * rows ..
-// + rows - 1 (rows <= R). Each thread takes the 8-weight groups tid, tid + 256, ... of its rows, G
-// groups' loads in flight at once, and with norm.w also sums the squares of the same x values:
-// the RMSNorm's scale then multiplies the finished dot products, so x and the weights arrive in
-// one memory latency (instead of the norm's, then the weights'). The blocks store their logits
-// into the first block's shared memory; after the cluster barrier one warp of it selects, so no
-// counter in global memory and no second trip through L2 for the logits.
-template <int R, int G, bool F32>
-__global__ void __launch_bounds__(kClusterThreads) route_cluster_kernel(DRouter r, int rows, const float* __restrict__ x,
-                                                                        float* __restrict__ logits,
+// Registers a thread of route_cluster_kernel<R, G, F32, T> holds for its sums, x values and
+// weights; the host takes the cluster kernel only where this stays within kClusterRegs.
+__host__ __device__ constexpr int cluster_regs(int R, int G, bool f32, int T) { return R * T + G * T * 8 + G * R * (f32 ? 8 : 4); }
+constexpr int kClusterRegs = 224;
+
+// Grid: one cluster of blocks for up to T tokens (batch of them); block `rank` holds router rows
+// rank * rows .. + rows - 1 (rows <= R). Each thread takes the 8-weight groups tid, tid + 256, ...
+// of its rows, G groups' loads in flight at once, and with norm.w also sums the squares of the
+// same x values: the RMSNorm's scale then multiplies the finished dot products, so x and the
+// weights arrive in one memory latency (instead of the norm's, then the weights'). The blocks
+// store their logits into the first block's shared memory; after the cluster barrier a warp of it
+// per token selects, so no counter in global memory and no second trip through L2 for the logits.
+// Dynamic shared memory: 2 * T * experts floats.
+template <int R, int G, bool F32, int T>
+__global__ void __launch_bounds__(kClusterThreads, 1) route_cluster_kernel(DRouter r, int rows, const float* __restrict__ x,
+                                                                        int batch, float* __restrict__ logits,
                                                                         int32_t* __restrict__ out_e,
                                                                         float* __restrict__ out_w, RowNorm norm) {
-  __shared__ float logit_s[kMaxExperts];  // the first block's: every block's logits
-  __shared__ float choice[kMaxExperts];
-  __shared__ float red[kClusterThreads / 32][R + 1];
-  __shared__ float gscore[32];
-  __shared__ int sel[32];
+  extern __shared__ float dyn[];  // the first block's: [T][experts] logits of every block, then the selection's
+  __shared__ float red[kClusterThreads / 32][(R + 1) * T];  // per warp: sums [row][token], then x^2 [token]
+  __shared__ float gscore[T][32];
+  __shared__ int sel[T][32];
   cluster_arrive_relaxed();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rank = int(cooperative_groups::this_cluster().block_rank());
   const DLinear& W = r.w;
   const int E = r.experts, K = W.in, groups = K / 8, row0 = rank * rows, nrows = max(0, min(rows, E - row0));
+  float* const logit_s = dyn;
+  float* const choice = dyn + T * E;
   if (nrows > 0) prefetch_rows_l2(W, row0, nrows);
   pdl_enter();
-  float acc[R], ss = 0.0f;
+  float acc[R][T], ss[T];
   #pragma unroll
-  for (int i = 0; i < R; ++i) acc[i] = 0.0f;
+  for (int t = 0; t < T; ++t) {
+    ss[t] = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < R; ++i) acc[i][t] = 0.0f;
+  }
   #pragma unroll 1
   for (int g0 = tid; g0 < groups; g0 += G * kClusterThreads) {
-    float xv[G][8];
+    float xv[G][T][8];
     Raw8<F32> w[G][R];
     #pragma unroll
     for (int i = 0; i < G; ++i) {
       const int g = g0 + i * kClusterThreads;
       const bool ok = g < groups;
-      const float4 a = ok ? reinterpret_cast<const float4*>(x)[2 * g] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      const float4 b = ok ? reinterpret_cast<const float4*>(x)[2 * g + 1] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      xv[i][0] = a.x, xv[i][1] = a.y, xv[i][2] = a.z, xv[i][3] = a.w;
-      xv[i][4] = b.x, xv[i][5] = b.y, xv[i][6] = b.z, xv[i][7] = b.w;
+      #pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const bool in = ok && t < batch;
+        const float4* xt = reinterpret_cast<const float4*>(x + size_t(t) * K);
+        const float4 a = in ? xt[2 * g] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const float4 b = in ? xt[2 * g + 1] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        xv[i][t][0] = a.x, xv[i][t][1] = a.y, xv[i][t][2] = a.z, xv[i][t][3] = a.w;
+        xv[i][t][4] = b.x, xv[i][t][5] = b.y, xv[i][t][6] = b.z, xv[i][t][7] = b.w;
+      }
       #pragma unroll
       for (int rr = 0; rr < R; ++rr) {
         w[i][rr] = Raw8<F32>{};
@@ -302,48 +318,64 @@ __global__ void __launch_bounds__(kClusterThreads) route_cluster_kernel(DRouter 
         const float4 b = __ldg(reinterpret_cast<const float4*>(norm.w) + 2 * g + 1);
         const float gw[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
         #pragma unroll
-        for (int j = 0; j < 8; ++j) ss = fmaf(xv[i][j], xv[i][j], ss), xv[i][j] *= gw[j];
+        for (int t = 0; t < T; ++t)
+          #pragma unroll
+          for (int j = 0; j < 8; ++j) ss[t] = fmaf(xv[i][t][j], xv[i][t][j], ss[t]), xv[i][t][j] *= gw[j];
       }
       #pragma unroll
-      for (int rr = 0; rr < R; ++rr) acc[rr] = fma8<F32>(w[i][rr], xv[i], acc[rr]);
+      for (int rr = 0; rr < R; ++rr)
+        #pragma unroll
+        for (int t = 0; t < T; ++t) acc[rr][t] = fma8<F32>(w[i][rr], xv[i][t], acc[rr][t]);
     }
   }
   #pragma unroll
-  for (int rr = 0; rr < R; ++rr) acc[rr] = warp_sum(acc[rr]);
-  ss = warp_sum(ss);
+  for (int t = 0; t < T; ++t) {
+    ss[t] = warp_sum(ss[t]);
+    #pragma unroll
+    for (int rr = 0; rr < R; ++rr) acc[rr][t] = warp_sum(acc[rr][t]);
+  }
   if (lane == 0) {
     #pragma unroll
-    for (int rr = 0; rr < R; ++rr) red[warp][rr] = acc[rr];
-    red[warp][R] = ss;
+    for (int t = 0; t < T; ++t) {
+      red[warp][R * T + t] = ss[t];
+      #pragma unroll
+      for (int rr = 0; rr < R; ++rr) red[warp][rr * T + t] = acc[rr][t];
+    }
   }
   __syncthreads();
-  float inv = 1.0f;
-  if (norm.w) {
-    float t = 0.0f;
-    for (int w = 0; w < kClusterThreads / 32; ++w) t += red[w][R];
-    inv = rsqrtf(t / float(K) + norm.eps);
-  }
+  // inv(t): token t's RMSNorm scale, summed over the warps in order.
+  auto inv = [&](int t) {
+    if (!norm.w) return 1.0f;
+    float v = 0.0f;
+    for (int w = 0; w < kClusterThreads / 32; ++w) v += red[w][R * T + t];
+    return rsqrtf(v / float(K) + norm.eps);
+  };
   cluster_wait();
-  if (tid < nrows) {
+  for (int i = tid; i < nrows * batch; i += kClusterThreads) {
+    const int rr = i % nrows, t = i / nrows, row = row0 + rr;
     float d = 0.0f;
-    for (int w = 0; w < kClusterThreads / 32; ++w) d += red[w][tid];
-    const int row = row0 + tid;
-    const float l = d * inv + (W.bias ? W.bias[row] : 0.0f);
-    logits[row] = l;
-    *cooperative_groups::this_cluster().map_shared_rank(logit_s + row, 0) = l;
+    for (int w = 0; w < kClusterThreads / 32; ++w) d += red[w][rr * T + t];
+    const float l = d * inv(t) + (W.bias ? W.bias[row] : 0.0f);
+    logits[size_t(t) * E + row] = l;
+    *cooperative_groups::this_cluster().map_shared_rank(logit_s + t * E + row, 0) = l;
   }
-  if (norm.w && rank == 0)  // the normalized row for the experts, in block_rms_norm's expression
-    for (int i = tid; i < K / 4; i += kClusterThreads) {
-      const float4 a = reinterpret_cast<const float4*>(x)[i], g = __ldg(reinterpret_cast<const float4*>(norm.w) + i);
-      reinterpret_cast<float4*>(norm.out)[i] =
-          make_float4(g.x * (a.x * inv), g.y * (a.y * inv), g.z * (a.z * inv), g.w * (a.w * inv));
+  if (norm.w && rank == 0)  // the normalized rows for the experts, in block_rms_norm's expression
+    for (int t = 0; t < batch; ++t) {
+      const float s = inv(t);
+      const float4* xt = reinterpret_cast<const float4*>(x + size_t(t) * K);
+      float4* ot = reinterpret_cast<float4*>(norm.out + size_t(t) * K);
+      for (int i = tid; i < K / 4; i += kClusterThreads) {
+        const float4 a = xt[i], g = __ldg(reinterpret_cast<const float4*>(norm.w) + i);
+        ot[i] = make_float4(g.x * (a.x * s), g.y * (a.y * s), g.z * (a.z * s), g.w * (a.w * s));
+      }
     }
   cluster_sync();
-  if (rank != 0 || warp != 0) return;
-  select_experts<true>(r, logit_s, choice, gscore, sel, out_e, out_w, lane);
+  if (rank != 0 || warp >= batch) return;
+  select_experts<true>(r, logit_s + warp * E, choice + warp * E, gscore[warp], sel[warp], out_e + size_t(warp) * r.top_k,
+                       out_w + size_t(warp) * r.top_k, lane);
 }
 
-// KESTREL_ROUTE_CLUSTER=0: the counter-based kernel at one token too (A/B runs).
+// KESTREL_ROUTE_CLUSTER=0: the counter-based kernel at every batch (A/B runs).
 bool route_cluster_enabled() {
   static const bool v = [] {
     const char* e = std::getenv("KESTREL_ROUTE_CLUSTER");
@@ -356,17 +388,24 @@ bool route_cluster_enabled() {
 // cluster_limit() allows), else 8; 0 without clusters. Measured on Qwen3-30B-A3B shapes (docs/PERF.md
 // v18): 8 blocks of 16 rows make a step 1.3% slower than 16 of 8.
 int route_cluster_blocks() {
-  static const int most = max_cluster_blocks(route_cluster_kernel<kClusterRowsMax, 2, true>, dim3(kClusterThreads), 0);
+  static const int most = max_cluster_blocks(route_cluster_kernel<kClusterRowsMax, 2, true, 1>, dim3(kClusterThreads),
+                                             size_t(2 * kMaxExperts) * sizeof(float));
   const int n = std::min(most, cluster_limit());
   if (most >= 16 && n < 16) cluster_lowered() = true;
   return n >= 8 ? n : 0;
 }
 
-template <int R, int G, bool F32>
-void launch_route_cluster(const DRouter& r, int blocks, int rows, const float* x, float* logits, int32_t* experts,
-                          float* weights, cudaStream_t stream, RowNorm norm) {
-  launch_cluster(route_cluster_kernel<R, G, F32>, dim3(unsigned(blocks)), dim3(unsigned(blocks)), dim3(kClusterThreads),
-                 0, stream, r, rows, x, logits, experts, weights, norm);
+// Tokens the cluster kernel takes at once: its template's T for a batch. Up to 4: at 8 tokens the
+// counter kernel measured faster (Qwen3-30B-A3B shapes, docs/PERF.md v18: 7.74 against 7.86 ms).
+constexpr int kClusterTokens = 4;
+int cluster_tokens(int batch) { return batch <= 1 ? 1 : batch <= 2 ? 2 : 4; }
+
+template <int R, int G, bool F32, int T>
+void launch_route_cluster(const DRouter& r, int blocks, int rows, const float* x, int batch, float* logits,
+                          int32_t* experts, float* weights, cudaStream_t stream, RowNorm norm) {
+  launch_cluster(route_cluster_kernel<R, G, F32, T>, dim3(unsigned(blocks)), dim3(unsigned(blocks)),
+                 dim3(kClusterThreads), size_t(2 * T * r.experts) * sizeof(float), stream, r, rows, x, batch, logits,
+                 experts, weights, norm);
 }
 
 }  // namespace
@@ -387,18 +426,20 @@ DRouter make_router(const ModelConfig& c, const DLinear& w, const float* bias) {
 
 bool route_in_cluster(const DRouter& r, int batch) {
   const bool f32 = r.w.format == DFormat::F32;
-  if (batch != 1 || !route_cluster_enabled() || !(f32 || r.w.format == DFormat::BF16) || r.w.in % 8 != 0 ||
-      r.experts > kMaxExperts || r.w.out != r.experts)
+  if (batch < 1 || batch > kClusterTokens || !route_cluster_enabled() || !(f32 || r.w.format == DFormat::BF16) ||
+      r.w.in % 8 != 0 || r.experts > kMaxExperts || r.w.out != r.experts)
     return false;
-  const int blocks = route_cluster_blocks();
+  const int blocks = route_cluster_blocks(), T = cluster_tokens(batch);
   if (blocks == 0) return false;
-  const int rows = (r.experts + blocks - 1) / blocks;
-  return rows <= kClusterRowsMax && size_t(rows) * size_t(r.w.in) * (f32 ? 4 : 2) <= kClusterBlockBytes;
+  const int rows = (r.experts + blocks - 1) / blocks, R = rows <= 8 ? 8 : kClusterRowsMax;
+  const int G = r.w.in / 8 > kClusterThreads ? 2 : 1;
+  return rows <= kClusterRowsMax && size_t(rows) * size_t(r.w.in) * (f32 ? 4 : 2) <= kClusterBlockBytes &&
+         cluster_regs(R, G, f32, T) <= kClusterRegs && size_t(2 * T * r.experts) * sizeof(float) <= 48 * 1024;
 }
 
 bool route_fuses_norm(const DRouter& r, int batch) {
   const int K = r.w.in;
-  if (route_in_cluster(r, batch)) return true;
+  if (route_in_cluster(r, batch)) return true;  // any batch it takes
   return batch == 1 && K % 4 == 0 && K <= kRowNormMax &&
          (size_t(kRouteWarps) * size_t(r.experts) + size_t(K)) * sizeof(float) <= 48 * 1024;  // default smem limit
 }
@@ -419,17 +460,26 @@ void launch_route(const DRouter& r, const float* x, int batch, float* logits, ui
   if (route_in_cluster(r, batch)) {
     const int blocks = route_cluster_blocks(), rows = (r.experts + blocks - 1) / blocks;
     const bool two = r.w.in / 8 > kClusterThreads, f32 = r.w.format == DFormat::F32;
-    auto go = [&](auto R) {
-      if (two) {
-        if (f32) launch_route_cluster<R(), 2, true>(r, blocks, rows, x, logits, experts, weights, stream, norm);
-        else launch_route_cluster<R(), 2, false>(r, blocks, rows, x, logits, experts, weights, stream, norm);
-      } else {
-        if (f32) launch_route_cluster<R(), 1, true>(r, blocks, rows, x, logits, experts, weights, stream, norm);
-        else launch_route_cluster<R(), 1, false>(r, blocks, rows, x, logits, experts, weights, stream, norm);
+    auto go = [&](auto R, auto T) {
+      if constexpr (cluster_regs(R(), 1, false, T()) <= kClusterRegs) {  // the others are never taken
+        if (two) {
+          if (f32) launch_route_cluster<R(), 2, true, T()>(r, blocks, rows, x, batch, logits, experts, weights, stream, norm);
+          else launch_route_cluster<R(), 2, false, T()>(r, blocks, rows, x, batch, logits, experts, weights, stream, norm);
+        } else {
+          if (f32) launch_route_cluster<R(), 1, true, T()>(r, blocks, rows, x, batch, logits, experts, weights, stream, norm);
+          else launch_route_cluster<R(), 1, false, T()>(r, blocks, rows, x, batch, logits, experts, weights, stream, norm);
+        }
       }
     };
-    if (rows <= 8) go(std::integral_constant<int, 8>{});
-    else go(std::integral_constant<int, kClusterRowsMax>{});
+    auto by_rows = [&](auto T) {
+      if (rows <= 8) go(std::integral_constant<int, 8>{}, T);
+      else go(std::integral_constant<int, kClusterRowsMax>{}, T);
+    };
+    switch (cluster_tokens(batch)) {
+      case 1: by_rows(std::integral_constant<int, 1>{}); break;
+      case 2: by_rows(std::integral_constant<int, 2>{}); break;
+      default: by_rows(std::integral_constant<int, 4>{});
+    }
     KESTREL_CUDA_LAUNCHED();
     return;
   }

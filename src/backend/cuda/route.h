@@ -31,9 +31,9 @@ constexpr int kRouteTokens = 8;
 inline int route_chunks(int batch) { return (batch + kRouteTokens - 1) / kRouteTokens; }
 
 // Routing in one launch. Writes the router logits [B, experts], experts and weights [B, top_k].
-// One token with a small BF16 or F32 router (route_in_cluster): one cluster of blocks, each a
-// slice of the experts' rows, hands its logits to the first block through distributed shared
-// memory, and that block selects. Otherwise blocks of a few experts' rows take each chunk of up
+// Up to 4 tokens with a small BF16 or F32 router (route_in_cluster): one cluster of blocks, each
+// a slice of the experts' rows, hands its logits to the first block through distributed shared
+// memory, and that block selects (a warp per token). Otherwise blocks of a few experts' rows take each chunk of up
 // to kRouteTokens rows of x, and the last block of a chunk to finish (counted in done: route_chunks(batch)
 // counters, zero before the launch and after it) selects its tokens' experts, a warp per token.
 // With norm.w, x is the raw input: the router normalizes it (RMSNorm; inside its own kernel where
