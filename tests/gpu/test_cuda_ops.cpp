@@ -515,13 +515,15 @@ TEST(CudaOps, AttentionClusterFillsOneWave) {
   EXPECT_EQ(cuda::attention_cluster(sms + 1), 0);
 }
 
-// Query heads per attention block divide each KV head's group.
+// Query heads per attention block divide each KV head's group; 8 only once the batch holds 2 x
+// SMs query heads (a batch of 64 does here), 4 at most above head_dim 128.
 TEST(CudaOps, AttentionHeadsPerBlock) {
-  EXPECT_EQ(cuda::attention_heads_per_block(32, 4, 128), 8);
-  EXPECT_EQ(cuda::attention_heads_per_block(96, 8, 128), 4);
-  EXPECT_EQ(cuda::attention_heads_per_block(6, 2, 64), 1);
-  EXPECT_EQ(cuda::attention_heads_per_block(16, 2, 256), 4);
-  EXPECT_EQ(cuda::attention_heads_per_block(4, 4, 64), 1);
+  EXPECT_EQ(cuda::attention_heads_per_block(32, 4, 128, 64), 8);
+  EXPECT_EQ(cuda::attention_heads_per_block(32, 4, 128, 1), 4);
+  EXPECT_EQ(cuda::attention_heads_per_block(96, 8, 128, 64), 4);
+  EXPECT_EQ(cuda::attention_heads_per_block(6, 2, 64, 64), 1);
+  EXPECT_EQ(cuda::attention_heads_per_block(16, 2, 256, 64), 4);
+  EXPECT_EQ(cuda::attention_heads_per_block(4, 4, 64, 64), 1);
 }
 
 // QK norm + rotary + the key/value store, then decode attention, in a paged cache: the identity
@@ -532,14 +534,17 @@ TEST(CudaOps, QkRopeAttentionMatchCpu) {
   struct Case {
     int nq, nkv, hd, rot;
     bool norm, interleaved;
+    int B = 3;
   };
-  // Query heads per KV head 4, 1, 3, 2, 8, 12 and 8 at head_dim 256 (blocks of 4, 1, 1, 2, 8, 4, 4 heads).
+  // Query heads per KV head 4, 1, 3, 2, 8, 12 and 8 at head_dim 256 (blocks of 4, 1, 1, 2, 4, 4, 4
+  // heads); blocks of 8 heads take batches of 2 x SMs query heads (64 x 8 here).
   for (const Case& cs : {Case{8, 2, 64, 64, true, false}, Case{4, 4, 128, 64, false, false},
                          Case{6, 2, 16, 8, true, true}, Case{2, 1, 256, 256, false, false},
                          Case{16, 2, 128, 64, true, false}, Case{12, 1, 64, 32, false, true},
-                         Case{8, 1, 256, 128, true, false}}) {
-    const int B = 3, cap = 70;
-    const std::vector<int32_t> pos = {0, 17, 69};
+                         Case{8, 1, 256, 128, true, false}, Case{64, 8, 64, 64, true, false, 5}}) {
+    const int B = cs.B, cap = 70;
+    std::vector<int32_t> pos = {0, 17, 69};
+    for (int b = 3; b < B; ++b) pos.push_back(int32_t((29 * b) % cap));
     RopeConfig rc;
     rc.theta = 10000.0;
     rc.rotary_dim = cs.rot;

@@ -35,8 +35,9 @@ AttentionSplit attention_split(int max_context, int parallel = 0);
 int attention_cluster(int head_blocks);
 
 // Query heads that one block of launch_decode_attention serves with each key/value row it loads
-// (a divisor of nq / nkv: 8, 4, 2 or 1; 4 at most above head_dim 128, for registers).
-int attention_heads_per_block(int nq, int nkv, int hd);
+// (a divisor of nq / nkv: 8, 4, 2 or 1; 4 at most above head_dim 128, for registers, and for
+// batches of fewer than 2 x SMs query heads in all, whose grids need the blocks).
+int attention_heads_per_block(int nq, int nkv, int hd, int batch);
 
 // Floats of scratch the split needs: batch * nq * splits * (hd + 2).
 inline size_t attention_scratch_floats(int batch, int nq, int hd, const AttentionSplit& s) {

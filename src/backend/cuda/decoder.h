@@ -138,7 +138,7 @@ class Decoder {
   AttentionSplit gqa_split(int batch) const {  // GQA attention's, per batch (fixed in each batch's graph)
     const ModelConfig& c = m_.config();
     AttentionSplit s = attention_split(max_context_, batch * int(c.num_kv_heads));
-    const int nq = int(c.num_heads), gh = attention_heads_per_block(nq, int(c.num_kv_heads), int(c.head_dim));
+    const int nq = int(c.num_heads), gh = attention_heads_per_block(nq, int(c.num_kv_heads), int(c.head_dim), batch);
     s.cluster = attention_cluster(batch * (nq / gh));
     return s;
   }
