@@ -537,7 +537,7 @@ TEST(CudaOps, QkRopeAttentionMatchCpu) {
     int B = 3;
   };
   // Query heads per KV head 4, 1, 3, 2, 8, 12 and 8 at head_dim 256 (blocks of 4, 1, 1, 2, 4, 4, 4
-  // heads); blocks of 8 heads take batches of 2 x SMs query heads (64 x 8 here).
+  // heads); blocks of 8 heads take batches of 2 x SMs query heads (5 x 64 here).
   for (const Case& cs : {Case{8, 2, 64, 64, true, false}, Case{4, 4, 128, 64, false, false},
                          Case{6, 2, 16, 8, true, true}, Case{2, 1, 256, 256, false, false},
                          Case{16, 2, 128, 64, true, false}, Case{12, 1, 64, 32, false, true},

@@ -249,10 +249,10 @@ AttentionSplit attention_split(int max_context, int parallel) {
 }
 
 int attention_heads_per_block(int nq, int nkv, int hd, int batch) {
-  // 8 heads a block only once a batch has enough of them (batch x nq / 8 >= SMs / 4): with fewer
-  // sequences the split grid then holds too few warps (Qwen3-30B-A3B shapes, docs/PERF.md v18:
-  // 4 heads -4.7% at batch 1, -3.6% at 4, even at 8; 8 ahead from 16).
-  const int group = nq / nkv, most = hd > 128 || 2 * batch * nq < sm_count() ? 4 : 8;
+  // 8 heads a block only once the batch holds 2 x SMs query heads (head blocks of 8 >= SMs / 4):
+  // with fewer the split grid holds too few warps (Qwen3-30B-A3B shapes, docs/PERF.md v18: 4 heads
+  // -4.7% at batch 1, -3.6% at 4, even at 8; 8 ahead from 16).
+  const int group = nq / nkv, most = hd > 128 || batch * nq < 2 * sm_count() ? 4 : 8;
   for (int gh = most; gh > 1; gh /= 2)
     if (group % gh == 0) return gh;
   return 1;

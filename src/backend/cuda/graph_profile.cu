@@ -79,8 +79,8 @@ GraphProfile profile_graph(Decoder& dec, int batch, int replays, cudaStream_t s)
   // The ops by name, in order of first appearance.
   GraphProfile p;
   if (cluster_lowered())
-    p.note = "the router's cluster has 8 blocks here, 16 in the decoder's own step (the driver cannot switch "
-             "a node of a larger cluster back on)";
+    p.note = "the router's cluster is held to 8 blocks here (16 in the decoder's own step), since the driver "
+             "cannot switch a node of a larger cluster back on";
   std::map<std::string, size_t> index;
   std::vector<std::vector<cudaGraphNode_t>> nodes_of;
   std::vector<cudaGraphNode_t> all;

@@ -57,7 +57,7 @@ __device__ void warp_top_k(const float* v, int n, int k, int* sel, int lane) {
     #pragma unroll
     for (int i = 0; i < P; ++i)
       if (uint32_t(i * 32 + lane) == e) key[i] = 0;
-    if (lane == 0) sel[j] = int(e);
+    if (lane == 0) sel[j] = int(min(e, uint32_t(n - 1)));
   }
   __syncwarp();
 }
@@ -239,8 +239,7 @@ __device__ __forceinline__ Raw8<F32> load8(const DLinear& W, int row, int g) {
 // acc + the group's weights . x, added in weight order (as rows_dot_partial does).
 template <bool F32>
 __device__ __forceinline__ float fma8(const Raw8<F32>& w, const float (&x)[8], float acc) {
-  const uint32_t u[8] = {w.v[0].x, w.v[0].y, w.v[0].z, w.v[0].w, F32 ? w.v[F32 ? 1 : 0].x : 0u,
-                         F32 ? w.v[F32 ? 1 : 0].y : 0u, F32 ? w.v[F32 ? 1 : 0].z : 0u, F32 ? w.v[F32 ? 1 : 0].w : 0u};
+  const uint32_t* u = reinterpret_cast<const uint32_t*>(w.v);  // 8 floats, or 4 pairs of BF16 (low half first)
   #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const float wf = F32 ? __uint_as_float(u[j]) : __uint_as_float((j & 1) ? u[j / 2] & 0xffff0000u : u[j / 2] << 16);
@@ -384,14 +383,20 @@ bool route_cluster_enabled() {
   return v;
 }
 
-// Blocks of the routing cluster: 16 where the GPU schedules clusters that large (and
-// cluster_limit() allows), else 8; 0 without clusters. Measured on Qwen3-30B-A3B shapes (docs/PERF.md
-// v18): 8 blocks of 16 rows make a step 1.3% slower than 16 of 8.
+// Blocks of the routing cluster the GPU schedules: 16, else 8; 0 without clusters.
+int route_cluster_most() {
+  static const int most = [] {
+    const int n = max_cluster_blocks(route_cluster_kernel<kClusterRowsMax, 2, true, 1>, dim3(kClusterThreads),
+                                     size_t(2 * kMaxExperts) * sizeof(float));
+    return n >= 8 ? n : 0;
+  }();
+  return most;
+}
+
+// Blocks of the routing cluster: route_cluster_most() within cluster_limit(). Measured on
+// Qwen3-30B-A3B shapes (docs/PERF.md v18): 8 blocks of 16 rows make a step 1.3% slower than 16 of 8.
 int route_cluster_blocks() {
-  static const int most = max_cluster_blocks(route_cluster_kernel<kClusterRowsMax, 2, true, 1>, dim3(kClusterThreads),
-                                             size_t(2 * kMaxExperts) * sizeof(float));
-  const int n = std::min(most, cluster_limit());
-  if (most >= 16 && n < 16) cluster_lowered() = true;
+  const int n = std::min(route_cluster_most(), cluster_limit());
   return n >= 8 ? n : 0;
 }
 
@@ -424,17 +429,30 @@ DRouter make_router(const ModelConfig& c, const DLinear& w, const float* bias) {
   return r;
 }
 
-bool route_in_cluster(const DRouter& r, int batch) {
+namespace {
+
+// Whether the cluster kernel of `blocks` blocks takes this router and batch.
+bool cluster_fits(const DRouter& r, int batch, int blocks) {
   const bool f32 = r.w.format == DFormat::F32;
-  if (batch < 1 || batch > kClusterTokens || !route_cluster_enabled() || !(f32 || r.w.format == DFormat::BF16) ||
+  if (blocks == 0 || batch < 1 || batch > kClusterTokens || !(f32 || r.w.format == DFormat::BF16) ||
       r.w.in % 8 != 0 || r.experts > kMaxExperts || r.w.out != r.experts)
     return false;
-  const int blocks = route_cluster_blocks(), T = cluster_tokens(batch);
-  if (blocks == 0) return false;
   const int rows = (r.experts + blocks - 1) / blocks, R = rows <= 8 ? 8 : kClusterRowsMax;
   const int G = r.w.in / 8 > kClusterThreads ? 2 : 1;
   return rows <= kClusterRowsMax && size_t(rows) * size_t(r.w.in) * (f32 ? 4 : 2) <= kClusterBlockBytes &&
-         cluster_regs(R, G, f32, T) <= kClusterRegs && size_t(2 * T * r.experts) * sizeof(float) <= 48 * 1024;
+         cluster_regs(R, G, f32, cluster_tokens(batch)) <= kClusterRegs &&
+         size_t(2 * cluster_tokens(batch) * r.experts) * sizeof(float) <= 48 * 1024;
+}
+
+}  // namespace
+
+bool route_in_cluster(const DRouter& r, int batch) {
+  if (!route_cluster_enabled()) return false;
+  const int blocks = route_cluster_blocks();
+  const bool fits = cluster_fits(r, batch, blocks);
+  // Under a lowered cluster_limit() (the graph profiler), say when the kernel differs from the step's.
+  if (blocks < route_cluster_most() && cluster_fits(r, batch, route_cluster_most())) cluster_lowered() = true;
+  return fits;
 }
 
 bool route_fuses_norm(const DRouter& r, int batch) {
