@@ -3,11 +3,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <iterator>
 #include <map>
 #include <numeric>
 #include <random>
-#include <cstdlib>
 #include <string>
 
 #include "backend/cpu/attention.h"
