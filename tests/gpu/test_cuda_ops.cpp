@@ -631,6 +631,35 @@ TEST(CudaOps, QkRopeAttentionMatchCpu) {
         if (!shuffled) identity_out.push_back(got);
         else EXPECT_EQ(got, identity_out[i]) << what;
       }
+      // The QK step inside the attention kernel: q as projected, and each row's new position NaN
+      // in the cache (upload() restores the history alone), so every split must attend to the
+      // key it made and store it.
+      DeviceBuffer<float> dq_raw(q);
+      const cuda::QkPrep prep{dk.get(), dv.get(), cs.norm ? dqn.get() : nullptr, cs.norm ? dkn.get() : nullptr, 1e-6f, ra};
+      for (const cuda::AttentionSplit& split : splits) {
+        const std::string what = "QK step inside, hd " + std::to_string(cs.hd) + ", " +
+                                 (split.cluster ? "clusters of " + std::to_string(split.cluster)
+                                                : std::to_string(split.splits) + " splits") +
+                                 (shuffled ? ", shuffled tables" : "");
+        kv.upload();
+        DeviceBuffer<float> scratch(cuda::attention_scratch_floats(B, cs.nq, cs.hd, split));
+        dout.poison();
+        const int launches = cuda::launch_decode_attention(dq_raw.get(), B, cs.nq, cs.nkv, cs.hd,
+                                                           1.0f / std::sqrt(float(cs.hd)), dpos.get(), kvl, split,
+                                                           scratch.get(), dout.get(), nullptr, &prep);
+        EXPECT_EQ(launches, split.cluster ? 1 : 2);
+        EXPECT_LE(test::rel_err(dout.download(), ref), 1e-5) << what;
+        EXPECT_EQ(dq_raw.download(), q) << what;
+        for (int b = 0; b < B; ++b) {
+          const int n = pos[size_t(b)] + 1;
+          const std::vector<float> kr = kv.k_rows(b, n), vr = kv.v_rows(b, n);
+          const float* want_k = caches[size_t(b)].k(0, n - 1);
+          EXPECT_LE(test::rel_err(std::vector<float>(kr.end() - int64_t(row), kr.end()), std::vector<float>(want_k, want_k + row)),
+                    1e-5) << what << ", sequence " << b;
+          EXPECT_EQ(std::vector<float>(vr.end() - int64_t(row), vr.end()),
+                    std::vector<float>(v.begin() + b * row, v.begin() + (b + 1) * row)) << what << ", sequence " << b;
+        }
+      }
     }
   }
 }
@@ -692,6 +721,12 @@ TEST(CudaOps, QkRopeAttentionOfOneSequenceMatchCpu) {
   cuda::launch_decode_attention(dq.get(), T, nq, nkv, hd, 0.125f, dpos.get(), kv.layer(true),
                                 cuda::AttentionSplit{1, cap, 8}, nullptr, dout.get(), nullptr);
   EXPECT_LE(test::rel_err(dout.download(), ref), 1e-5) << "clusters of 8";
+  // The QK step inside attention needs rows of distinct sequences: these see each other's keys.
+  const cuda::QkPrep prep{dk.get(), dv.get(), nullptr, nullptr, 1e-6f, ra};
+  EXPECT_FALSE(cuda::attention_takes_qk_step(kv.layer(true), T));
+  EXPECT_THROW(cuda::launch_decode_attention(dq.get(), T, nq, nkv, hd, 0.125f, dpos.get(), kv.layer(true), split,
+                                             scratch.get(), dout.get(), nullptr, &prep),
+               std::exception);
 }
 
 TEST(CudaOps, EmbedAndArgmax) {

@@ -61,23 +61,103 @@ __device__ __forceinline__ void warp_sums(float (&v)[GH], int lane) {
 // split (empty splits too) for attention_combine_kernel. Fused: the splits are the blocks of one
 // thread block cluster, which merge their partials through distributed shared memory and write
 // the output themselves: no partials in global memory and no second launch.
+// With prep (prep.k set): q is as projected; each block normalizes and rotates its own query
+// heads, and the blocks whose chunk holds the new position do the same for the new key, attend
+// to it from shared memory, and one of them per KV head stores it and its value to the cache.
 template <int kPer, int GH, int W, bool Fused>
 __global__ void __launch_bounds__(W * 32) attention_partial_kernel(const float* __restrict__ q, int nq, int nkv, int hd,
                                                                   float scale, const int32_t* __restrict__ positions,
-                                                                  KvLayer cache, float* __restrict__ part,
-                                                                  float* __restrict__ out) {
+                                                                  KvLayer cache, QkPrep prep, float* __restrict__ part,
+                                                                  float* __restrict__ out, int preload) {
   constexpr int kUnroll = kPer >= 8 ? 2 : 4;  // positions whose rows are loaded before the first is used
   static_assert(kKvBlock % kUnroll == 0, "a warp's positions lie in one KV block");
+  constexpr int kRow = kPer * 32;  // floats per head vector in shared memory
   __shared__ float s_m[W][GH], s_l[W][GH];
-  extern __shared__ float s_acc[];  // [W][GH][kPer * 32]; Fused: [0][g] then holds the block's merged values
+  extern __shared__ float s_acc[];  // [W][GH][kRow]; Fused: [0][g] then holds the block's merged values
   const int groups = nq / nkv / GH, kvh = blockIdx.x / groups;
   const int h0 = kvh * (nq / nkv) + (blockIdx.x % groups) * GH;
   const int b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  pdl_enter();
-  const int len = positions[b] + 1;
+  // Positions change only between steps (the step's last kernel advances them), so the chunk is
+  // known before the previous kernel ends.
+  const int pos = positions[b], len = pos + 1;
   const int chunk = ((len + splits - 1) / splits + kKvBlock - 1) / kKvBlock * kKvBlock;
   const int begin = split * chunk, end = min(len, begin + chunk);
+  const bool prepping = prep.k != nullptr, has_new = prepping && begin <= pos && pos < end;
+  const int cached_end = has_new ? pos : end;  // positions read from the cache
+  const float* kbase = cache.k + size_t(kvh) * hd;
+  const float* vbase = cache.v + size_t(kvh) * hd;
+  float kr[kUnroll][kPer], vr[kUnroll][kPer];
+  auto load = [&](int p0) {  // the rows of positions p0 .. p0 + kUnroll - 1 (one KV block)
+    const size_t first = kv_offset(cache, b, p0);
+    #pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      #pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int d = lane + 32 * i;
+        const bool ok = p0 + u < cached_end && d < hd;
+        kr[u][i] = ok ? kbase[first + size_t(u) * cache.row + d] : 0.0f;
+        vr[u][i] = ok ? vbase[first + size_t(u) * cache.row + d] : 0.0f;
+      }
+    }
+  };
+  int p0 = begin + warp * kUnroll;
+  // With prep, every row read from the cache was written by an earlier step: the warp's first
+  // rows load before the wait, behind the previous kernel.
+  const bool early = prepping && preload;
+  if (early && p0 < cached_end) load(p0);
+  pdl_enter();
+  __shared__ float s_new[GH + 2][kRow];  // prep: the block's queries, the new key, the new value
+  if (prepping) {
+    __shared__ float s_cos[kRow / 2], s_sin[kRow / 2];
+    const int half = prep.rope.rotary_dim / 2;
+    for (int j = threadIdx.x; j < half; j += W * 32) {
+      const float f = float(pos) * prep.rope.inv_freq[j];
+      s_cos[j] = cosf(f) * prep.rope.scaling;
+      s_sin[j] = sinf(f) * prep.rope.scaling;
+    }
+    // Warp w normalizes vectors w, w + W, ...: the GH queries, then the new key.
+    const int nv = GH + (has_new ? 1 : 0);
+    for (int h = warp; h < nv; h += W) {
+      const bool key = h == GH;
+      const float* src = key ? prep.k + (size_t(b) * nkv + kvh) * hd : q + (size_t(b) * nq + h0 + h) * hd;
+      const float* w = key ? prep.k_norm : prep.q_norm;
+      float x[kPer], ss = 0.0f;
+      #pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int d = lane + 32 * i;
+        x[i] = d < hd ? src[d] : 0.0f;
+        ss = fmaf(x[i], x[i], ss);
+      }
+      if (w) {
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        const float inv = rsqrtf(ss / float(hd) + prep.eps);
+        #pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+          const int d = lane + 32 * i;
+          if (d < hd) x[i] = w[d] * (x[i] * inv);
+        }
+      }
+      #pragma unroll
+      for (int i = 0; i < kPer; ++i) s_new[h][lane + 32 * i] = x[i];
+    }
+    if (has_new)
+      for (int d = threadIdx.x; d < hd; d += W * 32) s_new[GH + 1][d] = prep.v[(size_t(b) * nkv + kvh) * hd + d];
+    __syncthreads();
+    // The rotation: a thread turns whole pairs, so it alone reads and writes their elements.
+    for (int t = threadIdx.x; t < nv * half; t += W * 32) {
+      const int h = t / half, j = t % half;
+      const int a = prep.rope.interleaved ? 2 * j : j, c = prep.rope.interleaved ? 2 * j + 1 : j + half;
+      const float xa = s_new[h][a], xc = s_new[h][c];
+      s_new[h][a] = xa * s_cos[j] - xc * s_sin[j];
+      s_new[h][c] = xc * s_cos[j] + xa * s_sin[j];
+    }
+    __syncthreads();
+    if (has_new && blockIdx.x % groups == 0) {  // the KV head's first block stores the new row
+      const size_t at = kv_offset(cache, b, pos) + size_t(kvh) * hd;
+      for (int d = threadIdx.x; d < hd; d += W * 32) cache.k[at + d] = s_new[GH][d], cache.v[at + d] = s_new[GH + 1][d];
+    }
+  }
   float qr[GH][kPer], acc[GH][kPer], m[GH], l[GH];
   #pragma unroll
   for (int g = 0; g < GH; ++g) {
@@ -85,49 +165,47 @@ __global__ void __launch_bounds__(W * 32) attention_partial_kernel(const float* 
     #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int d = lane + 32 * i;
-      qr[g][i] = d < hd ? qv[d] * scale : 0.0f;
+      qr[g][i] = d < hd ? (prepping ? s_new[g][d] : qv[d]) * scale : 0.0f;
       acc[g][i] = 0.0f;
     }
     m[g] = -FLT_MAX;
     l[g] = 0.0f;
   }
-  const float* kbase = cache.k + size_t(kvh) * hd;
-  const float* vbase = cache.v + size_t(kvh) * hd;
-  for (int p0 = begin + warp * kUnroll; p0 < end; p0 += W * kUnroll) {
-    float kr[kUnroll][kPer], vr[kUnroll][kPer];
-    const size_t first = kv_offset(cache, b, p0);  // p0 .. p0 + kUnroll - 1 share its block
+  // One position into the warp's online softmax of each head.
+  auto attend = [&](const float (&kr)[kPer], const float (&vr)[kPer]) {
+    float sdot[GH];
     #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int g = 0; g < GH; ++g) {
+      sdot[g] = 0.0f;
       #pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int d = lane + 32 * i;
-        const bool ok = p0 + u < end && d < hd;
-        kr[u][i] = ok ? kbase[first + size_t(u) * cache.row + d] : 0.0f;
-        vr[u][i] = ok ? vbase[first + size_t(u) * cache.row + d] : 0.0f;
-      }
+      for (int i = 0; i < kPer; ++i) sdot[g] = fmaf(qr[g][i], kr[i], sdot[g]);
     }
+    warp_sums<GH>(sdot, lane);
     #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (p0 + u >= end) break;
-      float sdot[GH];
+    for (int g = 0; g < GH; ++g) {
+      const float mn = fmaxf(m[g], sdot[g]), corr = __expf(m[g] - mn), pw = __expf(sdot[g] - mn);
+      l[g] = l[g] * corr + pw;
       #pragma unroll
-      for (int g = 0; g < GH; ++g) {
-        sdot[g] = 0.0f;
-        #pragma unroll
-        for (int i = 0; i < kPer; ++i) sdot[g] = fmaf(qr[g][i], kr[u][i], sdot[g]);
-      }
-      warp_sums<GH>(sdot, lane);
-      #pragma unroll
-      for (int g = 0; g < GH; ++g) {
-        const float mn = fmaxf(m[g], sdot[g]), corr = __expf(m[g] - mn), pw = __expf(sdot[g] - mn);
-        l[g] = l[g] * corr + pw;
-        #pragma unroll
-        for (int i = 0; i < kPer; ++i) acc[g][i] = fmaf(pw, vr[u][i], acc[g][i] * corr);
-        m[g] = mn;
-      }
+      for (int i = 0; i < kPer; ++i) acc[g][i] = fmaf(pw, vr[i], acc[g][i] * corr);
+      m[g] = mn;
     }
+  };
+  if (has_new && warp == W - 1) {  // the new position, from shared memory (the last warp has the fewest rows)
+    float kn[kPer], vn[kPer];
+    #pragma unroll
+    for (int i = 0; i < kPer; ++i) kn[i] = s_new[GH][lane + 32 * i], vn[i] = s_new[GH + 1][lane + 32 * i];
+    attend(kn, vn);
   }
-  constexpr int kRow = kPer * 32;  // s_acc floats per (warp, head)
+  if (!early && p0 < cached_end) load(p0);
+  while (p0 < cached_end) {
+    #pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (p0 + u >= cached_end) break;
+      attend(kr[u], vr[u]);
+    }
+    p0 += W * kUnroll;
+    if (p0 < cached_end) load(p0);
+  }
   #pragma unroll
   for (int g = 0; g < GH; ++g) {
     if (lane == 0) s_m[warp][g] = m[g], s_l[warp][g] = l[g];
@@ -260,36 +338,57 @@ int attention_heads_per_block(int nq, int nkv, int hd, int batch) {
 
 namespace {
 
+// With prep, the partial kernels load their first rows before waiting on the previous kernel
+// (KESTREL_ATT_PRELOAD=0: after, for A/B runs).
+int attention_preload() {
+  static const int v = [] {
+    const char* e = std::getenv("KESTREL_ATT_PRELOAD");
+    return !e || std::atoi(e) != 0 ? 1 : 0;
+  }();
+  return v;
+}
+
 constexpr int kFusedWarps = 16;  // warps per block of the cluster path: its C blocks do the work of 4C splits
 
+// What launch_decode_attention hands each partial kernel.
+struct PartialArgs {
+  const float* q;
+  int batch, nq, nkv, hd;
+  float scale;
+  const int32_t* positions;
+  KvLayer cache;
+  QkPrep prep;
+  float* scratch;
+  float* out;
+};
+
 template <int kPer, int GH>
-void launch_partial_gh(dim3 grid, const AttentionSplit& split, cudaStream_t s, const float* q, int nq, int nkv, int hd,
-                       float scale, const int32_t* positions, const KvLayer& cache, float* scratch, float* out) {
+void launch_partial_gh(const PartialArgs& a, const AttentionSplit& split, cudaStream_t s) {
+  const dim3 grid(unsigned(a.nq / GH), unsigned(a.batch), unsigned(split.cluster > 0 ? split.cluster : split.splits));
   if (split.cluster > 0) {
     auto* k = attention_partial_kernel<kPer, GH, kFusedWarps, true>;
     const size_t smem = size_t(kFusedWarps) * GH * kPer * 32 * sizeof(float);
     KESTREL_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    const unsigned c = unsigned(split.cluster);
-    launch_cluster(k, dim3(grid.x, grid.y, c), dim3(1, 1, c), dim3(kFusedWarps * 32), smem, s, q, nq, nkv, hd, scale,
-                   positions, cache, nullptr, out);
+    launch_cluster(k, grid, dim3(1, 1, grid.z), dim3(kFusedWarps * 32), smem, s, a.q, a.nq, a.nkv, a.hd, a.scale,
+                   a.positions, a.cache, a.prep, nullptr, a.out, attention_preload());
     return;
   }
   launch(attention_partial_kernel<kPer, GH, kWarps, false>, grid, dim3(kWarps * 32),
-         size_t(kWarps) * GH * kPer * 32 * sizeof(float), s, q, nq, nkv, hd, scale, positions, cache, scratch, nullptr);
+         size_t(kWarps) * GH * kPer * 32 * sizeof(float), s, a.q, a.nq, a.nkv, a.hd, a.scale, a.positions, a.cache,
+         a.prep, a.scratch, nullptr, attention_preload());
 }
 
 template <int kPer>
-void launch_partial(int gh, dim3 grid, const AttentionSplit& split, cudaStream_t s, const float* q, int nq, int nkv,
-                    int hd, float scale, const int32_t* positions, const KvLayer& cache, float* scratch, float* out) {
+void launch_partial(int gh, const PartialArgs& a, const AttentionSplit& split, cudaStream_t s) {
   switch (gh) {
-    case 1: launch_partial_gh<kPer, 1>(grid, split, s, q, nq, nkv, hd, scale, positions, cache, scratch, out); break;
-    case 2: launch_partial_gh<kPer, 2>(grid, split, s, q, nq, nkv, hd, scale, positions, cache, scratch, out); break;
-    case 4: launch_partial_gh<kPer, 4>(grid, split, s, q, nq, nkv, hd, scale, positions, cache, scratch, out); break;
+    case 1: launch_partial_gh<kPer, 1>(a, split, s); break;
+    case 2: launch_partial_gh<kPer, 2>(a, split, s); break;
+    case 4: launch_partial_gh<kPer, 4>(a, split, s); break;
     default:
       if constexpr (kPer < 8) {
-        launch_partial_gh<kPer, 8>(grid, split, s, q, nq, nkv, hd, scale, positions, cache, scratch, out);
+        launch_partial_gh<kPer, 8>(a, split, s);
       } else {
-        fail("internal: ", gh, " query heads per attention block at head_dim ", hd);
+        fail("internal: ", gh, " query heads per attention block at head_dim ", a.hd);
       }
   }
 }
@@ -321,21 +420,35 @@ int attention_cluster(int head_blocks) {
   return c <= attention_cluster_most() ? c : 0;
 }
 
+bool attention_takes_qk_step(const KvLayer& cache, int batch) {
+  static const bool on = [] {
+    const char* e = std::getenv("KESTREL_ATT_QK");
+    return !e || std::atoi(e) != 0;
+  }();
+  return on && (cache.table_stride != 0 || batch == 1);
+}
+
 int launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, float scale,
                             const int32_t* positions, KvLayer cache, const AttentionSplit& split, float* scratch,
-                            float* out, cudaStream_t s) {
+                            float* out, cudaStream_t s, const QkPrep* prep) {
   if (hd > kMaxHd) fail("CUDA decode attention supports head_dim up to ", kMaxHd, ", got ", hd);
   if (nkv < 1 || nq % nkv != 0) fail("internal: ", nq, " query heads over ", nkv, " KV heads");
   if (!cache.table || cache.row != nkv * hd)
     fail("internal: a KV cache of rows of ", cache.row, " floats for ", nkv, " heads of ", hd);
   if (split.cluster < 0 || split.cluster > 16 || (split.cluster & (split.cluster - 1)) != 0)
     fail("internal: attention clusters of ", split.cluster, " blocks");
+  if (prep) {
+    if (cache.table_stride == 0 && batch > 1)  // attention_takes_qk_step
+      fail("internal: attention with the QK step inside takes rows of distinct sequences (a prefill's rows see each other's keys)");
+    if (prep->rope.rotary_dim < 0 || prep->rope.rotary_dim > hd || prep->rope.rotary_dim % 2 != 0)
+      fail("internal: a rotary dimension of ", prep->rope.rotary_dim, " in heads of ", hd);
+  }
+  const PartialArgs a{q, batch, nq, nkv, hd, scale, positions, cache, prep ? *prep : QkPrep{}, scratch, out};
   const int gh = attention_heads_per_block(nq, nkv, hd, batch);
-  const dim3 grid(unsigned(nq / gh), unsigned(batch), unsigned(split.splits));
-  if (hd <= 32) launch_partial<1>(gh, grid, split, s, q, nq, nkv, hd, scale, positions, cache, scratch, out);
-  else if (hd <= 64) launch_partial<2>(gh, grid, split, s, q, nq, nkv, hd, scale, positions, cache, scratch, out);
-  else if (hd <= 128) launch_partial<4>(gh, grid, split, s, q, nq, nkv, hd, scale, positions, cache, scratch, out);
-  else launch_partial<8>(gh, grid, split, s, q, nq, nkv, hd, scale, positions, cache, scratch, out);
+  if (hd <= 32) launch_partial<1>(gh, a, split, s);
+  else if (hd <= 64) launch_partial<2>(gh, a, split, s);
+  else if (hd <= 128) launch_partial<4>(gh, a, split, s);
+  else launch_partial<8>(gh, a, split, s);
   KESTREL_CUDA_LAUNCHED();
   if (split.cluster > 0) return 1;
   launch_attention_combine(scratch, batch, nq, hd, split, out, s);

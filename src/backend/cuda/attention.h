@@ -48,11 +48,31 @@ inline size_t attention_scratch_floats(int batch, int nq, int hd, const Attentio
 void launch_attention_combine(const float* part, int batch, int nq, int hd, const AttentionSplit& split, float* out,
                               cudaStream_t s);
 
+// The step between the QKV projection and attention (launch_qk_rope_store's), done inside the
+// attention kernel: a launch and a wait fewer per layer. The kernel's blocks normalize and rotate
+// their own query heads; those whose chunk holds a row's new position do the same for its key,
+// attend to it from shared memory, and one per KV head stores it and its value to the cache.
+struct QkPrep {
+  const float* k = nullptr;  // [B, nkv, hd] as projected
+  const float* v = nullptr;  // [B, nkv, hd]
+  const float* q_norm = nullptr;  // [hd] or null (no QK norm)
+  const float* k_norm = nullptr;
+  float eps = 0.0f;
+  RopeArgs rope;
+};
+
+// Whether launch_decode_attention takes the QK step (prep) for this batch: its rows are distinct
+// sequences or one row. KESTREL_ATT_QK=0: never (the separate launch; A/B runs).
+bool attention_takes_qk_step(const KvLayer& cache, int batch);
+
 // q: [B, nq, hd]; row b attends to positions 0..positions[b] of its sequence in the cache (rows
 // of nkv * hd). out: [B, nq, hd]. Returns the kernels launched: 1 in clusters (split.cluster; no
 // scratch), else 2 (the splits' partials in scratch, then their combination).
+// prep null: q is ready and the cache holds each row's new key and value (launch_qk_rope_store).
+// prep set: q is as projected (not changed) and the kernel does that step; the rows must be
+// distinct sequences (cache.table_stride != 0) or one row.
 int launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, float scale,
                              const int32_t* positions, KvLayer cache, const AttentionSplit& split, float* scratch,
-                             float* out, cudaStream_t s);
+                             float* out, cudaStream_t s, const QkPrep* prep = nullptr);
 
 }  // namespace kestrel::cuda

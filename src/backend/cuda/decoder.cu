@@ -371,10 +371,15 @@ void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, Logits rows, bool 
       if (fuse_attn_norm) launch_linear(qkv, 3, x_, batch, false, s, RowNorm{L.attn_norm, eps, nullptr});
       else launch_linear(qkv, 3, xn_, batch, false, s);
       op("qkv_proj", 1, double(L.q.bytes() + L.k.bytes() + L.v.bytes()));
-      launch_qk_rope_store(q_, k_, v_, batch, nq, nkv, hd, L.q_norm, L.k_norm, eps, rope, positions_, kvl, s);
-      op("qk_norm_rope", 1, act * (nq + 2 * nkv) * hd);
-      const int att_launches =
-          launch_decode_attention(q_, batch, nq, nkv, hd, scale, positions_, kvl, gqa_split(batch), att_scratch_, att_, s);
+      // QK norm, rotary embedding and the cache write: inside the attention kernel where it can.
+      const QkPrep prep{k_, v_, L.q_norm, L.k_norm, eps, rope};
+      const bool in_attention = attention_takes_qk_step(kvl, batch);
+      if (!in_attention) {
+        launch_qk_rope_store(q_, k_, v_, batch, nq, nkv, hd, L.q_norm, L.k_norm, eps, rope, positions_, kvl, s);
+        op("qk_norm_rope", 1, act * (nq + 2 * nkv) * hd);
+      }
+      const int att_launches = launch_decode_attention(q_, batch, nq, nkv, hd, scale, positions_, kvl, gqa_split(batch),
+                                                       att_scratch_, att_, s, in_attention ? &prep : nullptr);
       op("attention", att_launches, 0.0);  // KV bytes depend on the positions: the caller adds them
       const LinearJob o[1] = {{L.o, out}};
       launch_linear(o, 1, att_, batch, !split, s);
