@@ -138,6 +138,11 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     --batch 1,2 --context 1024 --steps 50
   KESTREL_ATT_CLUSTER=0 bench qwen3-30b-a3b-att-splits --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
     --batch 16,32 --context 1024 --steps 50
+  # QK norm, rotary and the cache write in their own kernel instead of inside attention.
+  KESTREL_ATT_QK=0 bench qwen3-30b-a3b-qk-kernel --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8 \
+    --context 1024 --steps 50
+  KESTREL_ATT_QK=0 bench glm-4.5-air-qk-kernel --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,8 \
+    --context 1024 --steps 30
   KESTREL_PDL=0 bench qwen3-30b-a3b-no-pdl --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 50
   bench glm-4.5-air --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 30
   # MLA models are larger than one GPU: slices of 5 and 9 layers (3 dense + 2 or 6 MoE); the
