@@ -206,9 +206,8 @@ __global__ void __launch_bounds__(W * 32) attention_partial_kernel(const float* 
     }
     p0 += W * kUnroll;
   }
-  // The rest as two loops: one loading a round into registers of its own iteration, then the
-  // products (one loop with the round carried across iterations ran 3-5% slower at 8192
-  // positions in the 16-warp cluster kernel).
+  // The remaining rounds, each loaded into registers of its own iteration (carrying a round across
+  // iterations made the 16-warp cluster kernel 3-5% slower per step at 8192 positions).
   for (; p0 < cached_end; p0 += W * kUnroll) {
     float kr[kUnroll][kPer], vr[kUnroll][kPer];
     load(p0, kr, vr);
@@ -451,7 +450,8 @@ int launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, 
     fail("internal: attention clusters of ", split.cluster, " blocks");
   if (prep) {
     if (cache.table_stride == 0 && batch > 1)  // attention_takes_qk_step
-      fail("internal: attention with the QK step inside takes rows of distinct sequences (a prefill's rows see each other's keys)");
+      fail("internal: attention with the QK step inside takes rows of distinct sequences (a prefill's rows see "
+           "each other's keys)");
     if (prep->rope.rotary_dim < 0 || prep->rope.rotary_dim > hd || prep->rope.rotary_dim % 2 != 0)
       fail("internal: a rotary dimension of ", prep->rope.rotary_dim, " in heads of ", hd);
   }

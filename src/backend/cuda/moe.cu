@@ -522,8 +522,9 @@ int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual
     // Its first loads before the wait where its blocks fit one wave (measured: Qwen3-30B-A3B's 128
     // blocks -1.4% per step; GLM-4.5-Air's 256 +0.2%: a second wave starts after gate/up anyway).
     const bool early = moe_preload() && down_tiles <= sm_count();
-    launch(early ? down_mma_kernel<true> : down_mma_kernel<false>, dim3(unsigned(down_tiles), unsigned(batch)), dim3(kSlotDownWarps * 32), 0, stream, m,
-           batch, s.experts, s.weights, reinterpret_cast<const uint32_t*>(s.act), s.act_stride, residual);
+    launch(early ? down_mma_kernel<true> : down_mma_kernel<false>, dim3(unsigned(down_tiles), unsigned(batch)),
+           dim3(kSlotDownWarps * 32), 0, stream, m, batch, s.experts, s.weights, reinterpret_cast<const uint32_t*>(s.act),
+           s.act_stride, residual);
     KESTREL_CUDA_LAUNCHED();
     return 2;
   }
