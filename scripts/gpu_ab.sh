@@ -83,7 +83,7 @@ KEEP=  # where swap put this tree's files; restored on any exit until cleared
 trap '[ -z "$KEEP" ] || restore "$KEEP"' EXIT
 
 check() {
-  command -v git >/dev/null && git rev-parse --git-dir >/dev/null 2>&1 || die "check needs the git checkout"
+  git rev-parse --git-dir >/dev/null 2>&1 || die "check needs the git checkout"
   [ -f "$AB/commit" ] || die "run 'scripts/gpu_ab.sh prepare BASE' first"
   local base before tmp
   base=$(cat "$AB/commit")
@@ -117,7 +117,7 @@ run() {
   local dir=$OUT/ab
   mkdir -p "$dir"
   source scripts/gpu_env.sh
-  echo "building this tree, then with $(cat "$AB/commit" | cut -c1-12)'s files"
+  echo "building this tree, then with $(cut -c1-12 "$AB/commit")'s files"
   gpu_build "$dir/build_head.log" kestrel || die "build of this tree failed: $dir/build_head.log"
   cp "$BUILD/src/kestrel" "$dir/kestrel_head"
   KEEP=$dir/head_files
