@@ -2,12 +2,13 @@
 
 #include <algorithm>
 #include <cfloat>
-#include <cstdlib>
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/kv_paged.cuh"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/reduce.cuh"
+#include "common/env.h"
 
 namespace kestrel::cuda {
 namespace {
@@ -132,8 +133,7 @@ __global__ void __launch_bounds__(W * 32) attention_partial_kernel(const float* 
         ss = fmaf(x[i], x[i], ss);
       }
       if (w) {
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        const float inv = rsqrtf(ss / float(hd) + prep.eps);
+        const float inv = rsqrtf(warp_sum(ss) / float(hd) + prep.eps);
         #pragma unroll
         for (int i = 0; i < kPer; ++i) {
           const int d = lane + 32 * i;
@@ -352,10 +352,7 @@ namespace {
 // With prep, the partial kernels load their first rows before waiting on the previous kernel
 // (KESTREL_ATT_PRELOAD=0: after, for A/B runs).
 int attention_preload() {
-  static const int v = [] {
-    const char* e = std::getenv("KESTREL_ATT_PRELOAD");
-    return !e || std::atoi(e) != 0 ? 1 : 0;
-  }();
+  static const int v = env_switch("KESTREL_ATT_PRELOAD") ? 1 : 0;
   return v;
 }
 
@@ -411,10 +408,7 @@ void launch_partial(int gh, const PartialArgs& a, const AttentionSplit& split, c
 // docs/PERF.md v18: batch 1 and 4 slower with clusters of 16 and 8; batch 16 and 32, clusters of 2
 // and 1, 5% and 8% faster). KESTREL_ATT_CLUSTER=N sets it (0: the split path always; A/B runs).
 int attention_cluster_most() {
-  static const int v = [] {
-    const char* e = std::getenv("KESTREL_ATT_CLUSTER");
-    return e ? std::max(0, std::min(16, std::atoi(e))) : 2;
-  }();
+  static const int v = std::max(0, std::min(16, env_int("KESTREL_ATT_CLUSTER", 2)));
   return v;
 }
 
@@ -432,10 +426,7 @@ int attention_cluster(int head_blocks) {
 }
 
 bool attention_takes_qk_step(const KvLayer& cache, int batch) {
-  static const bool on = [] {
-    const char* e = std::getenv("KESTREL_ATT_QK");
-    return !e || std::atoi(e) != 0;
-  }();
+  static const bool on = env_switch("KESTREL_ATT_QK");
   return on && (cache.table_stride != 0 || batch == 1);
 }
 

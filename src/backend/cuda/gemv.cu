@@ -1,6 +1,4 @@
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "backend/cuda/check.h"
@@ -10,6 +8,7 @@
 #include "backend/cuda/mma_tiles.cuh"
 #include "backend/cuda/norm_rope.h"
 #include "backend/cuda/reduce.cuh"
+#include "common/env.h"
 
 namespace kestrel::cuda {
 namespace {
@@ -342,20 +341,14 @@ __global__ void __launch_bounds__(kWarps * 32) mma_gated_kernel(DLinear gate, DL
 
 // Batches from this size take the tensor-core path for NVFP4 (KESTREL_MMA_MIN_BATCH, for A/B runs).
 int mma_min_batch() {
-  static const int v = [] {
-    const char* e = std::getenv("KESTREL_MMA_MIN_BATCH");
-    return e ? std::max(1, std::atoi(e)) : 2;
-  }();
+  static const int v = std::max(1, env_int("KESTREL_MMA_MIN_BATCH", 2));
   return v;
 }
 
 // Blocks per SM below which a tensor-core pass spreads its token groups over more block rows
 // (KESTREL_LINEAR_FILL, for A/B runs; 0 keeps every group of a pass in one block).
 int linear_fill() {
-  static const int v = [] {
-    const char* e = std::getenv("KESTREL_LINEAR_FILL");
-    return e ? std::max(0, std::atoi(e)) : 2;
-  }();
+  static const int v = std::max(0, env_int("KESTREL_LINEAR_FILL", 2));
   return v;
 }
 
@@ -363,9 +356,7 @@ int linear_fill() {
 // one format (KESTREL_LINEAR_TILED: 0 never, else the smallest pass, for A/B runs; default 9).
 int linear_tiled_min() {
   static const int v = [] {
-    const char* e = std::getenv("KESTREL_LINEAR_TILED");
-    if (!e) return 9;
-    const int n = std::atoi(e);
+    const int n = env_int("KESTREL_LINEAR_TILED", 9);
     return n <= 0 ? 1 << 30 : n;
   }();
   return v;

@@ -6,21 +6,17 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 #include <utility>
 
 #include "backend/cuda/check.h"
+#include "common/env.h"
 
 namespace kestrel::cuda {
 
 // KESTREL_PDL=0 launches every kernel plainly (for A/B measurement).
 inline bool pdl_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("KESTREL_PDL");
-    return !(e && std::strcmp(e, "0") == 0);
-  }();
+  static const bool on = env_switch("KESTREL_PDL");
   return on;
 }
 
@@ -72,24 +68,40 @@ void by_batch(int batch, F&& f) {
   }
 }
 
-// Launches kernel<<<grid, block, smem, s>>>(args...), with PDL when `pdl` and PDL is enabled and
-// the stream is not the legacy default stream.
+// cudaLaunchKernelEx of kernel<<<grid, block, smem, s>>>(args...) in clusters of *cluster blocks
+// (null: none), with PDL when `pdl` and PDL is enabled and the stream is not the legacy default one.
 template <typename... KArgs, typename... Args>
-void launch_pdl(bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                Args&&... args) {
+void launch_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, bool pdl,
+               const dim3* cluster, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  if (pdl && s != nullptr && pdl_enabled()) {
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (cluster) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster->x;
+    attr[n].val.clusterDim.y = cluster->y;
+    attr[n].val.clusterDim.z = cluster->z;
+    ++n;
   }
+  if (pdl && s != nullptr && pdl_enabled()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  cfg.attrs = n ? attr : nullptr;
+  cfg.numAttrs = n;
   KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+// Launches kernel<<<grid, block, smem, s>>>(args...), with PDL when `pdl` (see launch_ex).
+template <typename... KArgs, typename... Args>
+void launch_pdl(bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                Args&&... args) {
+  launch_ex(kernel, grid, block, smem, s, pdl, nullptr, std::forward<Args>(args)...);
 }
 
 // The largest thread block cluster launches may use: 16 (non-portable) unless lowered. The graph
@@ -112,21 +124,7 @@ void launch_cluster(void (*kernel)(KArgs...), dim3 grid, dim3 cluster, dim3 bloc
                     Args&&... args) {
   if (cluster.x * cluster.y * cluster.z > 8)
     KESTREL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster.x;
-  attr[0].val.clusterDim.y = cluster.y;
-  attr[0].val.clusterDim.z = cluster.z;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = s != nullptr && pdl_enabled() ? 2 : 1;
-  KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+  launch_ex(kernel, grid, block, smem, s, true, &cluster, std::forward<Args>(args)...);
 }
 
 // The largest cluster (16, 8, 4, 2 or 1 blocks) the device schedules for `kernel` launched with

@@ -1,6 +1,5 @@
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/dequant.cuh"
@@ -9,6 +8,7 @@
 #include "backend/cuda/mma_tiles.cuh"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/slot_mma.cuh"
+#include "common/env.h"
 
 namespace kestrel::cuda {
 namespace {
@@ -408,29 +408,20 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(DMoe m, int batch, const 
 // runs). Measured on Qwen3-30B-A3B shapes (docs/PERF.md v12): slower at 2 tokens (most experts
 // serve one token, and a tensor-core tile then wastes 7 of its 8 columns), even at 4, ahead from 8.
 int grouped_min_batch() {
-  static const int v = [] {
-    const char* e = std::getenv("KESTREL_MOE_GROUPED_MIN_BATCH");
-    return e ? std::max(1, std::atoi(e)) : 4;
-  }();
+  static const int v = std::max(1, env_int("KESTREL_MOE_GROUPED_MIN_BATCH", 4));
   return v;
 }
 
 // The per-slot down kernel on tensor cores at one token where the experts allow
 // (KESTREL_MOE_SLOT_MMA=0: the CUDA-core one, for A/B runs).
 bool slot_mma_enabled() {
-  static const bool v = [] {
-    const char* e = std::getenv("KESTREL_MOE_SLOT_MMA");
-    return !e || std::atoi(e) != 0;
-  }();
+  static const bool v = env_switch("KESTREL_MOE_SLOT_MMA");
   return v;
 }
 
 // down_mma_kernel may load its first weights before the wait (KESTREL_MOE_PRELOAD=0: never, for A/B runs).
 bool moe_preload() {
-  static const bool v = [] {
-    const char* e = std::getenv("KESTREL_MOE_PRELOAD");
-    return !e || std::atoi(e) != 0;
-  }();
+  static const bool v = env_switch("KESTREL_MOE_PRELOAD");
   return v;
 }
 

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cfloat>
-#include <cstdlib>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/dequant.cuh"
@@ -10,6 +9,7 @@
 #include "backend/cuda/norm_rope.h"
 #include "backend/cuda/reduce.cuh"
 #include "backend/cuda/route.h"
+#include "common/env.h"
 
 namespace kestrel::cuda {
 namespace {
@@ -376,10 +376,7 @@ __global__ void __launch_bounds__(kClusterThreads, 1) route_cluster_kernel(DRout
 
 // KESTREL_ROUTE_CLUSTER=0: the counter-based kernel at every batch (A/B runs).
 bool route_cluster_enabled() {
-  static const bool v = [] {
-    const char* e = std::getenv("KESTREL_ROUTE_CLUSTER");
-    return !e || std::atoi(e) != 0;
-  }();
+  static const bool v = env_switch("KESTREL_ROUTE_CLUSTER");
   return v;
 }
 
