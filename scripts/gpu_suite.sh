@@ -38,16 +38,19 @@ if [ -z "${GTEST_FILTER:-}" ]; then
   fi
 fi
 
-# The commands on the GPU: a fixture's logits through `--device cuda` against `--device cpu`.
+# The commands on the GPU: a fixture's logits through `--device cuda` against `--device cpu`, with
+# a float32 KV cache (the CPU's: equal to rounding) and the default BF16 one.
 fx=tests/fixtures/qwen3moe-nvfp4
-for d in cpu cuda; do
-  "$BUILD/src/kestrel" logits --model "$fx" --tokens 1,5,9,13,17,21 --device "$d" --out "$OUT/logits_$d.bin" 2>>"$OUT/cli.txt"
-done
-python3 -c "
+"$BUILD/src/kestrel" logits --model "$fx" --tokens 1,5,9,13,17,21 --device cpu --out "$OUT/logits_cpu.bin" 2>>"$OUT/cli.txt"
+for kv in f32 bf16; do
+  "$BUILD/src/kestrel" logits --model "$fx" --tokens 1,5,9,13,17,21 --device cuda --kv-dtype $kv \
+    --out "$OUT/logits_cuda_$kv.bin" 2>>"$OUT/cli.txt"
+  python3 -c "
 import numpy as np, sys
 a, b = (np.fromfile(sys.argv[i], dtype=np.float32) for i in (1, 2))
-print(f'cli: kestrel logits --device cuda vs cpu on $fx: rel L2 {np.linalg.norm(a - b) / np.linalg.norm(b):.2e}')
-" "$OUT/logits_cuda.bin" "$OUT/logits_cpu.bin" | tee -a "$OUT/cli.txt"
+print(f'cli: kestrel logits --device cuda --kv-dtype $kv vs cpu on $fx: rel L2 {np.linalg.norm(a - b) / np.linalg.norm(b):.2e}')
+" "$OUT/logits_cuda_$kv.bin" "$OUT/logits_cpu.bin" | tee -a "$OUT/cli.txt"
+done
 # Perplexity on the GPU against the CPU: a fixture given a byte-level tokenizer of its 256 ids
 # (always), and the real model quantized to NVFP4 (when fetched; too large to carry to a GPU machine).
 pdir=$(mktemp -d)
@@ -74,15 +77,19 @@ PY
 # ppl_cuda_vs_cpu ID LABEL MODEL BYTES CONTEXT STRIDE: perplexity of the first BYTES of the committed text.
 ppl_cuda_vs_cpu() {
   head -c "$4" docs/data/pride_and_prejudice_ch1.txt >"$OUT/slice_$1.txt"
-  for d in cpu cuda; do
-    "$BUILD/src/kestrel" perplexity --model "$3" --text "$OUT/slice_$1.txt" --context "$5" --stride "$6" --device "$d" \
-      --json "$OUT/ppl_$1_$d.json" >>"$OUT/cli.txt" 2>&1
+  for d in cpu cuda:f32 cuda:bf16; do  # device:KV type
+    local dev=${d%%:*} flags=()
+    [ "$dev" = cuda ] && flags=(--kv-dtype "${d#cuda:}")
+    "$BUILD/src/kestrel" perplexity --model "$3" --text "$OUT/slice_$1.txt" --context "$5" --stride "$6" --device "$dev" \
+      "${flags[@]}" --json "$OUT/ppl_$1_${d/:/_}.json" >>"$OUT/cli.txt" 2>&1
   done
-  python3 -c "
+  for kv in f32 bf16; do
+    python3 -c "
 import json, sys
 a, b = (json.load(open(sys.argv[i]))['perplexity'] for i in (1, 2))
-print(f'cli: kestrel perplexity --device cuda {a:.6f} vs cpu {b:.6f} on $2: rel diff {abs(a - b) / b:.2e}')
-" "$OUT/ppl_$1_cuda.json" "$OUT/ppl_$1_cpu.json" | tee -a "$OUT/cli.txt"
+print(f'cli: kestrel perplexity --device cuda --kv-dtype $kv {a:.6f} vs cpu {b:.6f} on $2: rel diff {abs(a - b) / b:.2e}')
+" "$OUT/ppl_$1_cuda_$kv.json" "$OUT/ppl_$1_cpu.json" | tee -a "$OUT/cli.txt"
+  done
 }
 ppl_cuda_vs_cpu fixture "the glm5-nvfp4 fixture (bytes)" "$pdir/m" 600 200 100
 rm -rf "$pdir"
@@ -101,7 +108,8 @@ fi
 GPUS=$(nvidia-smi -L | wc -l)
 split_vs_cpu() {  # label, then layout flags
   local label=$1; shift
-  "$BUILD/src/kestrel" logits --model "$fx" --tokens 1,5,9,13,17,21 --device cuda "$@" --out "$OUT/logits_split.bin" 2>>"$OUT/cli.txt"
+  "$BUILD/src/kestrel" logits --model "$fx" --tokens 1,5,9,13,17,21 --device cuda --kv-dtype f32 "$@" \
+    --out "$OUT/logits_split.bin" 2>>"$OUT/cli.txt"
   python3 -c "
 import numpy as np, sys
 a, b = (np.fromfile(sys.argv[i], dtype=np.float32) for i in (1, 2))
@@ -125,6 +133,11 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     --plot "$OUT/ops_qwen3-30b-a3b.svg" --prefill 512,4096
   # Long contexts (8k), and a cache sized as a server sizes it (32k) holding 1k-position sequences.
   bench qwen3-30b-a3b-ctx8k --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8,32 --context 8192 --steps 30
+  # The float32 KV cache (the CPU's) against the default BF16 one.
+  bench qwen3-30b-a3b-kv-f32 --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8,32 --context 1024 \
+    --steps 50 --kv-dtype f32
+  bench qwen3-30b-a3b-ctx8k-kv-f32 --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8,32 \
+    --context 8192 --steps 30 --kv-dtype f32
   bench qwen3-30b-a3b-cap32k --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8 --context 1024 \
     --capacity 32768 --steps 30
   KESTREL_MOE_GROUPED_MIN_BATCH=1000 bench qwen3-30b-a3b-moe-per-slot --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \

@@ -42,6 +42,7 @@ struct Options {
   Layout layout;
   std::string prefill;  // prompt lengths to prefill, comma-separated; empty: none
   int chunk = cuda::Session::kDefaultChunk;
+  std::string kv_dtype = "auto";
 };
 
 struct OpRow {
@@ -51,6 +52,9 @@ struct OpRow {
   std::vector<double> ms;  // per step
 };
 
+// Bytes per cached value of a decoder's KV cache (the floor's KV reads).
+double kv_value_bytes(const cuda::Decoder& dec) { return double(cuda::kv_type_bytes(dec.kv_type())); }
+
 // Per-op times inside the step's CUDA graph (cuda::profile_graph): each op alone against its
 // floor, and the rest of the step as time between ops, so the rows add up to the step. Returns
 // the rows for a plot.
@@ -58,7 +62,7 @@ std::vector<BarRow> print_graph_ops(cuda::Decoder& dec, const ModelConfig& c, in
                                     double bw, cudaStream_t s, nlohmann::json& out) {
   // The attention op is charged with its layer's share of the KV cache reads (MLA: the latent rows
   // it attends to and the indexer keys it scores).
-  const double kv_per_layer = decode_cost(c, B, context, 4.0).kv_cache / double(c.num_layers);
+  const double kv_per_layer = decode_cost(c, B, context, kv_value_bytes(dec)).kv_cache / double(c.num_layers);
   const cuda::GraphProfile p = cuda::profile_graph(dec, B, replays, s);
   std::printf("  per op at batch %d, inside the step's CUDA graph (the op's nodes alone, %d replays each)\n", B, replays);
   std::printf("  %-16s %5s %6s %10s %7s %10s %7s %9s %8s\n", "op", "calls", "nodes", "time us", "share", "MB", "GB/s",
@@ -99,7 +103,7 @@ std::vector<BarRow> print_event_ops(cuda::Decoder& dec, const ModelConfig& c, in
   std::vector<OpRow> rows;
   // The attention op is charged with its layer's share of the KV cache reads (MLA: the latent rows
   // it attends to and the indexer keys it scores).
-  const double kv_per_layer = decode_cost(c, B, context, 4.0).kv_cache / double(c.num_layers);
+  const double kv_per_layer = decode_cost(c, B, context, kv_value_bytes(dec)).kv_cache / double(c.num_layers);
   for (int i = 0; i < steps + 2; ++i) {
     dec.step(B, s, &timer);
     const auto ops = timer.finish();
@@ -202,14 +206,15 @@ std::vector<int> parse_list(const std::string& s, const char* flag, int most) {
 // the logits on the host (median of 3 after a warm-up run that captures the graphs). The floor
 // is the weights each chunk's tokens touch, read once per chunk; at these sizes the tensor-core
 // arithmetic (8 tokens per pass over a tile, two FP16 MMAs per product) is what it nears.
-nlohmann::json bench_prefill(const cuda::DeviceModel& dm, const std::vector<int>& lengths, int chunk, double bw) {
+nlohmann::json bench_prefill(const cuda::DeviceModel& dm, const std::vector<int>& lengths, int chunk, cuda::KvType kv,
+                             double bw) {
   const ModelConfig& c = dm.config();
   nlohmann::json out = nlohmann::json::array();
   std::printf("prefill (one sequence, %d positions per step, last position's logits)\n", chunk);
   std::printf("%8s %11s %9s %12s %14s %8s\n", "tokens", "ms", "tok/s", "ms per step", "weights floor", "x floor");
   std::vector<float> logits(size_t(c.vocab_size));
   for (int n : lengths) {
-    cuda::Session session(dm, n, chunk);
+    cuda::Session session(dm, n, chunk, kv);
     std::vector<int32_t> tok(static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) tok[size_t(i)] = int32_t((int64_t(i) * 7919 + 13) % c.vocab_size);
     std::vector<double> ms;
@@ -224,11 +229,12 @@ nlohmann::json bench_prefill(const cuda::DeviceModel& dm, const std::vector<int>
     const double med = ms[ms.size() / 2];
     const int steps = (n + chunk - 1) / chunk;
     double floor_ms = 0;
+    const double kvb = double(cuda::kv_type_bytes(kv));
     for (int i = 0; i < steps; ++i) {
-      const DecodeCost cost = decode_cost(c, std::min(chunk, n - i * chunk), 1, 4.0);
+      const DecodeCost cost = decode_cost(c, std::min(chunk, n - i * chunk), 1, kvb);
       floor_ms += (cost.total() - cost.kv_cache - cost.lm_head) / bw * 1e3;
     }
-    floor_ms += decode_cost(c, 1, 1, 4.0).lm_head / bw * 1e3;  // the LM head runs for the last row only
+    floor_ms += decode_cost(c, 1, 1, kvb).lm_head / bw * 1e3;  // the LM head runs for the last row only
     std::printf("%8d %11.2f %9.0f %12.3f %14.3f %8.2f\n", n, med, n * 1e3 / med, med / steps, floor_ms, med / floor_ms);
     out.push_back({{"tokens", n}, {"chunk", chunk}, {"ms", med}, {"tokens_per_s", n * 1e3 / med},
                    {"weights_floor_ms", floor_ms}});
@@ -254,6 +260,7 @@ void add_common(CLI::App& app, Options* o) {
   add_layout_options(app, o->layout);
   app.add_option("--prefill", o->prefill, "Also time the prefill of one prompt of each of these lengths (e.g. 512,4096)");
   app.add_option("--chunk", o->chunk, "Positions per prefill step (default 64)");
+  add_kv_dtype_option(app, o->kv_dtype);
   app.add_option("--layers", o->layers,
                  "With --random-weights: only the first N layers (a slice of a model larger than the GPU)");
 }
@@ -329,9 +336,11 @@ int run_split_bench(const Options* o, const std::vector<int>& batches) {
     print_ready(open_s, cuda_s, upload_s, seconds_since(t0));
   }
   const double bw = measure_bandwidth();
-  std::printf("model: %s, %lld layers%s, %s over %d GPUs, %.2f GiB of weights on GPU 0\n", full.architecture.c_str(),
-              (long long)full.num_layers, o->layers ? " (a slice: the first layers of the configuration)" : "",
-              layout.str().c_str(), layout.ranks(), double(models[0]->bytes()) / (1ull << 30));
+  const cuda::KvType kv = kv_type_for(full, o->kv_dtype);
+  std::printf("model: %s, %lld layers%s, %s over %d GPUs, %.2f GiB of weights on GPU 0, %s KV cache\n",
+              full.architecture.c_str(), (long long)full.num_layers,
+              o->layers ? " (a slice: the first layers of the configuration)" : "", layout.str().c_str(),
+              layout.ranks(), double(models[0]->bytes()) / (1ull << 30), cuda::kv_type_name(kv));
   std::printf("measured copy bandwidth: %.0f GB/s on GPU 0 (4 GiB device-to-device, read + write)\n", bw / 1e9);
   std::printf("%6s %9s %11s %11s %9s %9s %8s %9s %10s\n", "batch", "context", "graph ms", "no-graph ms", "floor ms",
               "comm ms", "x floor", "tok/s", "launches");
@@ -339,7 +348,9 @@ int run_split_bench(const Options* o, const std::vector<int>& batches) {
   const int cap = int(std::max<int64_t>(o->context + o->steps * 2 + 8, o->capacity));
   std::vector<std::unique_ptr<cuda::Decoder>> decs(models.size());
   group.run([&](int r) {
-    decs[size_t(r)] = std::make_unique<cuda::Decoder>(*models[size_t(r)], max_batch, cap, false, group.link(r));
+    cuda::KvSource own;
+    own.type = kv;
+    decs[size_t(r)] = std::make_unique<cuda::Decoder>(*models[size_t(r)], max_batch, cap, false, group.link(r), own);
   });
   const StepShapes shapes = step_shapes(full);
   nlohmann::json results = nlohmann::json::array();
@@ -373,7 +384,8 @@ int run_split_bench(const Options* o, const std::vector<int>& batches) {
     });
     const double g = *std::max_element(graph_ms.begin(), graph_ms.end());
     const double ng = *std::max_element(plain_ms.begin(), plain_ms.end());
-    const Roofline rf = roofline(shapes, layout, B, o->context, 4.0, bw / 1e9, find_gpu("h200"));
+    const Roofline rf =
+        roofline(shapes, layout, B, o->context, kv_value_bytes(*decs[0]), bw / 1e9, find_gpu("h200"));
     std::printf("%6d %9lld %11.3f %11.3f %9.3f %9.3f %8.2f %9.0f %10d\n", B, (long long)o->context, g, ng, rf.floor_ms,
                 rf.comm_ms, g / rf.floor_ms, B * 1e3 / g, decs[0]->launches_per_step());
     results.push_back({{"batch", B}, {"context", o->context}, {"tp", layout.tp}, {"ep", layout.ep}, {"graph_ms", g},
@@ -424,6 +436,7 @@ int run_bench(const Options* o) {
     if (o->layers && !o->random_weights) fail("--layers: only with --random-weights");
     const std::vector<int> batches = parse_list(o->batches, "--batch", 256);
     const std::vector<int> prefill = o->prefill.empty() ? std::vector<int>{} : parse_list(o->prefill, "--prefill", 1 << 20);
+    check_kv_dtype_option(o->kv_dtype);
     if (o->chunk < 1 || o->chunk > 256) fail("--chunk: ", o->chunk, " is outside 1..256");
     if (o->context < 0 || o->context > (1 << 24)) fail("--context: ", o->context, " is outside 0..", 1 << 24);
     if (o->capacity < 0 || o->capacity > (1 << 24)) fail("--capacity: ", o->capacity, " is outside 0..", 1 << 24);
@@ -453,16 +466,19 @@ int run_bench(const Options* o) {
     }
     const ModelConfig& c = dm->config();
     const double bw = measure_bandwidth();
-    std::printf("model: %s, %lld layers%s, weights %.2f GiB on the GPU\n", c.architecture.c_str(),
+    const cuda::KvType kv = kv_type_for(c, o->kv_dtype);
+    std::printf("model: %s, %lld layers%s, weights %.2f GiB on the GPU, %s KV cache\n", c.architecture.c_str(),
                 (long long)c.num_layers, o->layers ? " (a slice: the first layers of the configuration)" : "",
-                double(dm->bytes()) / (1ull << 30));
+                double(dm->bytes()) / (1ull << 30), cuda::kv_type_name(kv));
     std::printf("measured copy bandwidth: %.0f GB/s (4 GiB device-to-device, read + write)\n", bw / 1e9);
     std::printf("%6s %9s %11s %11s %9s %8s %9s %10s\n", "batch", "context", "graph ms", "no-graph ms", "floor ms",
                 "x floor", "tok/s", "launches");
     nlohmann::json results = nlohmann::json::array();
     const int max_batch = *std::max_element(batches.begin(), batches.end());
     const int cap = int(std::max<int64_t>(o->context + o->steps * 2 + 8, o->capacity));
-    cuda::Decoder dec(*dm, max_batch, cap);
+    cuda::KvSource own;
+    own.type = kv;
+    cuda::Decoder dec(*dm, max_batch, cap, false, nullptr, own);
     cudaStream_t s;
     KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     cudaEvent_t e0, e1;
@@ -487,7 +503,7 @@ int run_bench(const Options* o) {
         return double(ms) / o->steps;
       };
       const double g = time(true), ng = time(false);
-      const DecodeCost cost = decode_cost(c, B, o->context, 4.0);
+      const DecodeCost cost = decode_cost(c, B, o->context, kv_value_bytes(dec));
       const double floor_ms = cost.total() / bw * 1e3;
       std::printf("%6d %9lld %11.3f %11.3f %9.3f %8.2f %9.0f %10d\n", B, (long long)o->context, g, ng, floor_ms,
                   g / floor_ms, B * 1e3 / g, dec.launches_per_step());
@@ -519,7 +535,7 @@ int run_bench(const Options* o) {
     nlohmann::json pre = nlohmann::json::array();
     if (!prefill.empty()) {
       KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
-      pre = bench_prefill(*dm, prefill, o->chunk, bw);
+      pre = bench_prefill(*dm, prefill, o->chunk, dec.kv_type(), bw);
     }
     if (!o->json.empty()) {
       results = {{"steps", results}, {"ops", ops}, {"prefill", pre}};

@@ -32,6 +32,7 @@ struct Options {
   Progress progress = Progress::Auto;
   std::string quant = "none";
   Layout layout;
+  std::string kv_dtype = "auto";
 };
 
 
@@ -47,11 +48,13 @@ Run add_chat(CLI::App& app) {
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   add_quant_option(app, o->quant);
   add_layout_options(app, o->layout);
+  add_kv_dtype_option(app, o->kv_dtype);
   app.add_option("--device", o->device, "auto (the GPU when it can run the model), cpu or cuda");
   add_progress_flag(app, o->progress);
   return [o]() {
     check_quant_option(o->quant);
     check_device_option(o->device);
+    check_kv_dtype_option(o->kv_dtype);
     check_sampler_options(o->reply.sampling);
     if (o->reply.max_tokens < 1) fail("--max-tokens: must be >= 1, got ", o->reply.max_tokens);
     if (o->context < 2) fail("--context: must be at least 2, got ", o->context);
@@ -60,7 +63,7 @@ Run add_chat(CLI::App& app) {
     auto model = load_model_as(o->model, o->quant, o->progress);
     const text::ModelChat chat = text::load_model_chat(*model, o->model);
     if (model->config.max_position_embeddings > 0) o->context = std::min(o->context, model->config.max_position_embeddings);
-    auto runner = Runner::make(*model, o->device, o->context, o->threads, o->layout);
+    auto runner = Runner::make(*model, o->device, o->context, o->threads, o->layout, o->kv_dtype);
     const bool tty = isatty(STDIN_FILENO);
     std::fprintf(stderr, "kestrel chat (%s, context %lld): /reset starts over, /quit or Ctrl-D ends\n",
                  runner->describe().c_str(), (long long)o->context);

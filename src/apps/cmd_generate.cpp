@@ -31,6 +31,7 @@ struct Options {
   Progress progress = Progress::Auto;
   std::string quant = "none";
   Layout layout;
+  std::string kv_dtype = "auto";
 };
 
 
@@ -46,11 +47,13 @@ Run add_generate(CLI::App& app) {
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   add_quant_option(app, o->quant);
   add_layout_options(app, o->layout);
+  add_kv_dtype_option(app, o->kv_dtype);
   app.add_option("--device", o->device, "auto (the GPU when it can run the model), cpu or cuda");
   add_progress_flag(app, o->progress);
   return [o]() {
     check_quant_option(o->quant);
     check_device_option(o->device);
+    check_kv_dtype_option(o->kv_dtype);
     if (o->reply.max_tokens < 0) fail("--max-tokens: must be >= 0, got ", o->reply.max_tokens);
     if (!o->system.empty() && !o->chat) fail("--system: needs --chat");
     check_sampler_options(o->reply.sampling);
@@ -74,7 +77,7 @@ Run add_generate(CLI::App& app) {
     const int64_t V = model->config.vocab_size;
     for (int32_t id : prompt)
       if (id < 0 || id >= V) fail("--prompt: token id ", id, " is outside the model's vocabulary of ", V);
-    auto runner = Runner::make(*model, o->device, int64_t(prompt.size()) + o->reply.max_tokens + 1, o->threads, o->layout);
+    auto runner = Runner::make(*model, o->device, int64_t(prompt.size()) + o->reply.max_tokens + 1, o->threads, o->layout, o->kv_dtype);
     std::vector<int32_t> history = prompt;
     const Reply r = reply(*runner, tok, model->config.eos_token_ids, prompt, history, prompt.size(), o->reply, write_stdout);
     write_stdout("\n");

@@ -21,6 +21,7 @@ struct Options {
   int threads = 0;
   std::string device = "auto", quant = "none";
   Layout layout;
+  std::string kv_dtype = "auto";
   Progress progress = Progress::Auto;
 };
 
@@ -74,14 +75,16 @@ Run add_logits(CLI::App& app) {
   add_progress_flag(app, o->progress);
   add_quant_option(app, o->quant);
   add_layout_options(app, o->layout);
+  add_kv_dtype_option(app, o->kv_dtype);
   return [o]() {
     check_device_option(o->device);
+    check_kv_dtype_option(o->kv_dtype);
     check_quant_option(o->quant);
     const std::vector<int32_t> tokens = parse_token_ids(o->tokens, "--tokens");
     auto model = load_model_as(o->model, o->quant, o->progress);
     if (o->mtp) return run_mtp(*o, *model, tokens);
     const int64_t V = model->config.vocab_size, T = int64_t(tokens.size());
-    auto runner = Runner::make(*model, o->device, T, o->threads, o->layout);
+    auto runner = Runner::make(*model, o->device, T, o->threads, o->layout, o->kv_dtype);
     std::vector<float> logits(static_cast<size_t>(T * V));
     const auto t0 = std::chrono::steady_clock::now();
     if (o->decode) {

@@ -28,6 +28,7 @@ constexpr int64_t kChunk = 64;  // positions whose logits are held at once, per 
 struct Options {
   std::string model, text, reference, device = "auto", quant = "none", json;
   Layout layout;
+  std::string kv_dtype = "auto";
   int64_t context = -1, stride = -1, max_tokens = 0;  // -1: not given
   int threads = 0;
 };
@@ -54,8 +55,10 @@ Run add_perplexity(CLI::App& app) {
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   add_quant_option(app, o->quant);
   add_layout_options(app, o->layout);
+  add_kv_dtype_option(app, o->kv_dtype);
   return [o]() {
     check_device_option(o->device);
+    check_kv_dtype_option(o->kv_dtype);
     check_quant_option(o->quant);
     if (o->context != -1 && o->context < 2) fail("--context: must be at least 2, got ", o->context);
     if (o->stride != -1 && o->stride < 1) fail("--stride: must be at least 1, got ", o->stride);
@@ -95,8 +98,8 @@ Run add_perplexity(CLI::App& app) {
     const std::vector<PerplexityWindow> windows = perplexity_windows(int64_t(ids.size()), context, stride);
 
     const int64_t V = c.vocab_size;
-    m.runner = Runner::make(*m.model, o->device, context, o->threads, o->layout);
-    if (r.model) r.runner = Runner::make(*r.model, o->device, context, o->threads, o->layout);
+    m.runner = Runner::make(*m.model, o->device, context, o->threads, o->layout, o->kv_dtype);
+    if (r.model) r.runner = Runner::make(*r.model, o->device, context, o->threads, o->layout, o->kv_dtype);
     int64_t to_score = 0;
     for (const auto& w : windows) to_score += w.end - w.first_scored;
 

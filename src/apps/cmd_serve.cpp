@@ -46,6 +46,7 @@ struct Options {
   Progress progress = Progress::Auto;
   std::string quant = "none", device = "auto";
   Layout layout;
+  std::string kv_dtype = "auto";
 };
 
 // --kv-tokens, --kv-blocks or --kv-memory (at most one) as KV positions; 0: the engine's default.
@@ -86,12 +87,14 @@ Run add_serve(CLI::App& app) {
   add_progress_flag(app, o->progress);
   add_quant_option(app, o->quant);
   add_layout_options(app, o->layout);
+  add_kv_dtype_option(app, o->kv_dtype);
   app.add_option("--device", o->device,
                  "auto (the GPU when one is present and reads the model's formats), cpu or cuda (at most " +
                      std::to_string(kMaxGpuBatch) + " sequences at once on the GPU)");
   return [o]() {
     check_quant_option(o->quant);
     check_device_option(o->device);
+    check_kv_dtype_option(o->kv_dtype);
     if (o->port < 0 || o->port > 65535) fail("--port: expected 0..65535, got ", o->port);
     if (o->grace < 0) fail("--grace: must be >= 0");
     if (!std::filesystem::exists(o->model)) fail(o->model, ": no such file or folder");
@@ -122,6 +125,9 @@ Run add_serve(CLI::App& app) {
 #ifdef KESTREL_HAVE_CUDA
     std::unique_ptr<cuda::GpuModel> gpus;
     if (o->device == "cuda" || (o->device == "auto" && gpu_present())) {
+      const cuda::KvType kv = kv_type_for(model->config, o->kv_dtype);  // a refused --kv-dtype is the user's error
+      // --kv-memory was counted in float32 positions: a BF16 pool holds twice as many.
+      const int64_t kv_gpu = o->kv_memory.empty() ? kv_given : kv_given * 4 / int64_t(cuda::kv_type_bytes(kv));
       try {
         if (!gpu_present()) fail("--device cuda: no CUDA GPU is visible");
         if (eo.max_batch > kMaxGpuBatch) {
@@ -130,7 +136,8 @@ Run add_serve(CLI::App& app) {
           eo.max_batch = kMaxGpuBatch;
         }
         gpus = std::make_unique<cuda::GpuModel>(*model, eo.layout);
-        auto gpu_slots = std::make_unique<cuda::GpuSlots>(*gpus, eo.max_batch, int(engine_context(*model, eo)), kv_given);
+        auto gpu_slots =
+            std::make_unique<cuda::GpuSlots>(*gpus, eo.max_batch, int(engine_context(*model, eo)), kv_gpu, kv);
         eo.kv_tokens = gpu_slots->kv_positions();  // the engine admits what the pool holds
         if (kv_given == 0)
           std::fprintf(stderr, "kestrel: GPU KV cache: %s (%s)\n", gpu_slots->kv_summary().c_str(),
@@ -150,6 +157,7 @@ Run add_serve(CLI::App& app) {
 #else
     if (o->device == "cuda") fail("--device cuda: this kestrel was built without CUDA");
 #endif
+    if (!slots && o->kv_dtype == "bf16") fail("--kv-dtype bf16: the CPU backend caches keys and values as float32");
     Engine engine(*model, eo, std::move(slots));
 
     server::ServerOptions so;

@@ -66,6 +66,23 @@ void add_layout_options(CLI::App& app, Layout& layout) {
   app.add_option("--ep", layout.ep, "Expert parallelism: 1 (each expert split by --tp) or --tp (whole experts per rank)");
 }
 
+void add_kv_dtype_option(CLI::App& app, std::string& kv) {
+  app.add_option("--kv-dtype", kv,
+                 "The GPU's KV cache: auto (bf16, float32 for MLA models), bf16 (half the memory and reads of f32) "
+                 "or f32; the CPU caches f32");
+}
+
+void check_kv_dtype_option(const std::string& kv) {
+  if (kv != "auto" && kv != "f32" && kv != "bf16") fail("--kv-dtype: expected auto, f32 or bf16, got '", kv, "'");
+}
+
+cuda::KvType kv_type_for(const ModelConfig& c, const std::string& kv) {
+  check_kv_dtype_option(kv);
+  if (kv == "f32" || (kv == "auto" && c.is_mla())) return cuda::KvType::F32;
+  if (c.is_mla()) fail("--kv-dtype bf16: ", c.architecture, " uses MLA, whose latents the GPU caches as float32");
+  return cuda::KvType::BF16;
+}
+
 void check_quant_option(const std::string& quant) {
   if (quant != "none" && quant != "nvfp4") fail("--quant: expected none or nvfp4, got '", quant, "'");
 }

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/cuda/kv_layer.h"
 #include "model/load_progress.h"
 #include "model/weights.h"
 #include "parallel/layout.h"
@@ -25,6 +26,13 @@ void check_quant_option(const std::string& quant);
 
 // --tp N --ep M: how the model is split over GPUs (threads on the CPU); see parallel/layout.h.
 void add_layout_options(CLI::App& app, Layout& layout);
+
+// --kv-dtype auto|f32|bf16: the type of the GPU's KV cache. auto: bf16 for grouped-query
+// attention, f32 for MLA (the GPU caches its latents as float32); the CPU always caches float32.
+void add_kv_dtype_option(CLI::App& app, std::string& kv);
+void check_kv_dtype_option(const std::string& kv);
+// The option's KV type for a model on the GPU (an MLA model refuses bf16).
+cuda::KvType kv_type_for(const ModelConfig& c, const std::string& kv);
 
 // load_model, then with quant "nvfp4" every linear ModelOpt would quantize (all but the LM head,
 // routers and embeddings) requantized to NVFP4 in memory, by the quantizer of `kestrel quantize`.

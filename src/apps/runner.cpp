@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "apps/model_options.h"
 #include "backend/cpu/forward.h"
 #include "common/error.h"
 #include "common/thread_pool.h"
@@ -49,9 +50,9 @@ class CpuRunner final : public Runner {
 #ifdef KESTREL_HAVE_CUDA
 class CudaRunner final : public Runner {
  public:
-  CudaRunner(const Model& m, int64_t capacity, const Layout& layout) : gpus_(m, layout) {
+  CudaRunner(const Model& m, int64_t capacity, const Layout& layout, cuda::KvType kv) : gpus_(m, layout), kv_(kv) {
     if (capacity > INT32_MAX) fail("a context of ", capacity, " tokens is too long for the CUDA backend");
-    session_ = std::make_unique<cuda::Session>(gpus_, int(capacity));
+    session_ = std::make_unique<cuda::Session>(gpus_, int(capacity), cuda::Session::kDefaultChunk, kv);
   }
   void run(std::span<const int32_t> tokens, float* logits, bool all) override { session_->run(tokens, logits, all); }
   int32_t run_sample(std::span<const int32_t> tokens, float* logits, const SamplerOptions& o, uint64_t draw) override {
@@ -61,10 +62,13 @@ class CudaRunner final : public Runner {
   void reset() override { session_->reset(); }
   int64_t position() const override { return session_->position(); }
   int64_t vocab() const override { return gpus_.part(0).config().vocab_size; }
-  std::string describe() const override { return "cuda, " + gpus_.describe(); }
+  std::string describe() const override {
+    return "cuda, " + gpus_.describe() + ", " + cuda::kv_type_name(kv_) + " KV cache";
+  }
 
  private:
   cuda::GpuModel gpus_;
+  cuda::KvType kv_;
   std::unique_ptr<cuda::Session> session_;
 };
 
@@ -87,17 +91,19 @@ void check_device_option(const std::string& device) {
 }
 
 std::unique_ptr<Runner> Runner::make(const Model& model, const std::string& device, int64_t capacity, int threads,
-                                     const Layout& layout) {
+                                     const Layout& layout, const std::string& kv_dtype) {
   check_device_option(device);
   check_layout(layout, long(model.config.num_experts));
+  check_kv_dtype_option(kv_dtype);
 #ifdef KESTREL_HAVE_CUDA
   if (device == "cuda") {
     if (!gpu_present()) fail("--device cuda: no CUDA GPU is visible");
-    return std::make_unique<CudaRunner>(model, capacity, layout);
+    return std::make_unique<CudaRunner>(model, capacity, layout, kv_type_for(model.config, kv_dtype));
   }
   if (device == "auto" && gpu_present()) {
+    const cuda::KvType kv = kv_type_for(model.config, kv_dtype);  // a refused --kv-dtype is the user's error
     try {
-      return std::make_unique<CudaRunner>(model, capacity, layout);
+      return std::make_unique<CudaRunner>(model, capacity, layout, kv);
     } catch (const Error& e) {
       std::fprintf(stderr, "kestrel: running on the CPU: %s\n", e.what());
     }
@@ -105,6 +111,7 @@ std::unique_ptr<Runner> Runner::make(const Model& model, const std::string& devi
 #else
   if (device == "cuda") fail("--device cuda: this kestrel was built without CUDA");
 #endif
+  if (kv_dtype == "bf16") fail("--kv-dtype bf16: the CPU backend caches keys and values as float32");
   return std::make_unique<CpuRunner>(model, capacity, threads, layout);
 }
 

@@ -16,9 +16,9 @@ namespace kestrel::apps {
 class Runner {
  public:
   // capacity: the most tokens the sequence will hold; threads: CPU threads (0: all cores);
-  // layout: the split over GPUs (over threads on the CPU).
+  // layout: the split over GPUs (over threads on the CPU); kv_dtype: --kv-dtype (model_options.h).
   static std::unique_ptr<Runner> make(const Model& model, const std::string& device, int64_t capacity, int threads,
-                                      const Layout& layout = {});
+                                      const Layout& layout = {}, const std::string& kv_dtype = "auto");
   virtual ~Runner() = default;
   // Runs `tokens` at the next positions: all at once on the CPU (prefill), one decode step per
   // token on the GPU. `logits` receives [tokens, vocab] if `all`, else the last token's [vocab].

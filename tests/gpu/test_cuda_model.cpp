@@ -25,6 +25,8 @@ constexpr double kVsReference = 1e-3;  // GPU decode vs transformers, per positi
 // CUDA-core path for 1, so results differ by rounding (both are checked against the CPU at 1e-5
 // per op); everything else is the same code.
 constexpr double kBatchVsSingle = 1e-5;
+// A BF16 KV cache vs the CPU's float32 one: keys and values rounded to 8 significant bits.
+constexpr double kBf16CacheVsCpu = 1e-2;
 
 class CudaModelTest : public ::testing::TestWithParam<std::string> {};
 
@@ -116,6 +118,37 @@ TEST_P(CudaModelTest, SessionMatchesCpu) {
     whole.run(ref.tokens, last.data(), false);
     EXPECT_LE(test::rel_l2(last.data(), want.data() + (T - 1) * V, V), kVsCpu) << "last-row logits";
   }
+}
+
+// A BF16 KV cache (the GPU's default for grouped-query attention): the CPU's logits to the
+// rounding of the cached keys and values, for a prompt prefilled in chunks of 3 and tokens run
+// one by one after it. MLA models refuse it (their latents are cached as float32).
+TEST_P(CudaModelTest, Bf16CacheStaysCloseToCpu) {
+  const std::string dir = test::fixture_dir(GetParam());
+  auto model = load_model(dir);
+  const test::Reference ref = test::load_reference(dir);
+  const int64_t T = int64_t(ref.tokens.size()), V = ref.vocab, P = T / 2;
+  auto dm = cuda::DeviceModel::upload(*model);
+  if (model->config.is_mla()) {
+    EXPECT_THROW(cuda::Session(*dm, int(T), 3, cuda::KvType::BF16), Error);
+    return;
+  }
+  cuda::Session session(*dm, int(T), 3, cuda::KvType::BF16);
+  ThreadPool pool(2);
+  cpu::Forward fwd(*model, pool);
+  KvCache cache = fwd.make_cache(T);
+  std::vector<float> want(static_cast<size_t>(T * V)), got(static_cast<size_t>(T * V));
+  fwd.run(ref.tokens, cache, want.data());
+  session.run({ref.tokens.data(), size_t(P)}, got.data(), true);
+  for (int64_t t = P; t < T; ++t) session.run({ref.tokens.data() + t, 1}, got.data() + t * V, false);
+  double worst = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const double e = test::rel_l2(got.data() + t * V, want.data() + t * V, V);
+    EXPECT_LE(e, kBf16CacheVsCpu) << "position " << t;
+    worst = std::max(worst, e);
+  }
+  EXPECT_GT(worst, 1e-7) << "a BF16 cache rounds: logits equal to the float32 CPU's mean it was not used";
+  std::printf("  BF16 KV cache: worst rel L2 %.2e vs CPU\n", worst);
 }
 
 // Three sequences decoding side by side give what each gives alone (to rounding); the graph replay gives what

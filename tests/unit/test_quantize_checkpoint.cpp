@@ -504,6 +504,10 @@ TEST(PerplexityCli, BadInputGivesOneClearLine) {
       {"perplexity --model " + fx + " --text " + text, "no tokenizer"},
       {"perplexity --model " + fx + " --text " + text + " --device gpu", "--device: expected auto, cpu or cuda"},
       {"perplexity --model " + fx + " --text " + text + " --quant int8", "--quant: expected none or nvfp4"},
+      {"perplexity --model " + fx + " --text " + text + " --kv-dtype fp8", "--kv-dtype: expected auto, f32 or bf16"},
+      // The CPU caches float32: an explicit BF16 cache is refused, not silently ignored.
+      {"logits --model " + fx + " --tokens 1,2 --device cpu --kv-dtype bf16 --out " + (tmp.path() / "l.bin").string(),
+       "--kv-dtype bf16: the CPU backend caches keys and values as float32"},
   });
 }
 

@@ -65,7 +65,8 @@ __device__ __forceinline__ void warp_sums(float (&v)[GH], int lane) {
 // With prep (prep.k set): q is as projected; each block normalizes and rotates its own query
 // heads, and the blocks whose chunk holds the new position do the same for the new key, attend
 // to it from shared memory, and one of them per KV head stores it and its value to the cache.
-template <int kPer, int GH, int W, bool Fused>
+// T: the cache's values (KvType).
+template <int kPer, int GH, int W, bool Fused, class T>
 __global__ void __launch_bounds__(W * 32) attention_partial_kernel(const float* __restrict__ q, int nq, int nkv, int hd,
                                                                   float scale, const int32_t* __restrict__ positions,
                                                                   KvLayer cache, QkPrep prep, float* __restrict__ part,
@@ -86,8 +87,8 @@ __global__ void __launch_bounds__(W * 32) attention_partial_kernel(const float* 
   const int begin = split * chunk, end = min(len, begin + chunk);
   const bool prepping = prep.k != nullptr, has_new = prepping && begin <= pos && pos < end;
   const int cached_end = has_new ? pos : end;  // positions read from the cache
-  const float* kbase = cache.k + size_t(kvh) * hd;
-  const float* vbase = cache.v + size_t(kvh) * hd;
+  const T* kbase = kv_rows<T>(cache.k) + size_t(kvh) * hd;
+  const T* vbase = kv_rows<T>(cache.v) + size_t(kvh) * hd;
   // The rows of positions p0 .. p0 + kUnroll - 1 (one KV block).
   auto load = [&](int p0, float (&kr)[kUnroll][kPer], float (&vr)[kUnroll][kPer]) {
     const size_t first = kv_offset(cache, b, p0);
@@ -97,8 +98,8 @@ __global__ void __launch_bounds__(W * 32) attention_partial_kernel(const float* 
       for (int i = 0; i < kPer; ++i) {
         const int d = lane + 32 * i;
         const bool ok = p0 + u < cached_end && d < hd;
-        kr[u][i] = ok ? kbase[first + size_t(u) * cache.row + d] : 0.0f;
-        vr[u][i] = ok ? vbase[first + size_t(u) * cache.row + d] : 0.0f;
+        kr[u][i] = ok ? kv_float(kbase[first + size_t(u) * cache.row + d]) : 0.0f;
+        vr[u][i] = ok ? kv_float(vbase[first + size_t(u) * cache.row + d]) : 0.0f;
       }
     }
   };
@@ -155,9 +156,17 @@ __global__ void __launch_bounds__(W * 32) attention_partial_kernel(const float* 
       s_new[h][c] = xc * s_cos[j] + xa * s_sin[j];
     }
     __syncthreads();
-    if (has_new && blockIdx.x % groups == 0) {  // the KV head's first block stores the new row
-      const size_t at = kv_offset(cache, b, pos) + size_t(kvh) * hd;
-      for (int d = threadIdx.x; d < hd; d += W * 32) cache.k[at + d] = s_new[GH][d], cache.v[at + d] = s_new[GH + 1][d];
+    if (has_new) {
+      // The new row as the cache holds it (BF16: rounded, as later steps read it), attended from
+      // shared memory; the KV head's first block stores it.
+      const bool store = blockIdx.x % groups == 0;
+      const size_t at = store ? kv_offset(cache, b, pos) + size_t(kvh) * hd : 0;
+      for (int d = threadIdx.x; d < hd; d += W * 32) {
+        const T kc = kv_value<T>(s_new[GH][d]), vc = kv_value<T>(s_new[GH + 1][d]);
+        s_new[GH][d] = kv_float(kc), s_new[GH + 1][d] = kv_float(vc);
+        if (store) kv_rows<T>(cache.k)[at + d] = kc, kv_rows<T>(cache.v)[at + d] = vc;
+      }
+      __syncthreads();
     }
   }
   float qr[GH][kPer], acc[GH][kPer], m[GH], l[GH];
@@ -370,35 +379,43 @@ struct PartialArgs {
   float* out;
 };
 
-template <int kPer, int GH>
+template <int kPer, int GH, class T>
 void launch_partial_gh(const PartialArgs& a, const AttentionSplit& split, cudaStream_t s) {
   const dim3 grid(unsigned(a.nq / GH), unsigned(a.batch), unsigned(split.cluster > 0 ? split.cluster : split.splits));
   if (split.cluster > 0) {
-    auto* k = attention_partial_kernel<kPer, GH, kFusedWarps, true>;
+    auto* k = attention_partial_kernel<kPer, GH, kFusedWarps, true, T>;
     const size_t smem = size_t(kFusedWarps) * GH * kPer * 32 * sizeof(float);
     KESTREL_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     launch_cluster(k, grid, dim3(1, 1, grid.z), dim3(kFusedWarps * 32), smem, s, a.q, a.nq, a.nkv, a.hd, a.scale,
                    a.positions, a.cache, a.prep, nullptr, a.out, attention_preload());
     return;
   }
-  launch(attention_partial_kernel<kPer, GH, kWarps, false>, grid, dim3(kWarps * 32),
+  launch(attention_partial_kernel<kPer, GH, kWarps, false, T>, grid, dim3(kWarps * 32),
          size_t(kWarps) * GH * kPer * 32 * sizeof(float), s, a.q, a.nq, a.nkv, a.hd, a.scale, a.positions, a.cache,
          a.prep, a.scratch, nullptr, attention_preload());
 }
 
-template <int kPer>
+template <int kPer, class T>
 void launch_partial(int gh, const PartialArgs& a, const AttentionSplit& split, cudaStream_t s) {
   switch (gh) {
-    case 1: launch_partial_gh<kPer, 1>(a, split, s); break;
-    case 2: launch_partial_gh<kPer, 2>(a, split, s); break;
-    case 4: launch_partial_gh<kPer, 4>(a, split, s); break;
+    case 1: launch_partial_gh<kPer, 1, T>(a, split, s); break;
+    case 2: launch_partial_gh<kPer, 2, T>(a, split, s); break;
+    case 4: launch_partial_gh<kPer, 4, T>(a, split, s); break;
     default:
       if constexpr (kPer < 8) {
-        launch_partial_gh<kPer, 8>(a, split, s);
+        launch_partial_gh<kPer, 8, T>(a, split, s);
       } else {
         fail("internal: ", gh, " query heads per attention block at head_dim ", a.hd);
       }
   }
+}
+
+template <class T>
+void launch_partial_hd(int gh, const PartialArgs& a, const AttentionSplit& split, cudaStream_t s) {
+  if (a.hd <= 32) launch_partial<1, T>(gh, a, split, s);
+  else if (a.hd <= 64) launch_partial<2, T>(gh, a, split, s);
+  else if (a.hd <= 128) launch_partial<4, T>(gh, a, split, s);
+  else launch_partial<8, T>(gh, a, split, s);
 }
 
 }  // namespace
@@ -414,7 +431,7 @@ int attention_cluster_most() {
 
 int attention_cluster(int head_blocks) {
   static const int most = [] {
-    auto* k = attention_partial_kernel<4, 8, kFusedWarps, true>;
+    auto* k = attention_partial_kernel<4, 8, kFusedWarps, true, float>;
     const size_t smem = size_t(kFusedWarps) * 8 * 4 * 32 * sizeof(float);
     KESTREL_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     return max_cluster_blocks(k, dim3(kFusedWarps * 32), smem);
@@ -436,7 +453,7 @@ int launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, 
   if (hd > kMaxHd) fail("CUDA decode attention supports head_dim up to ", kMaxHd, ", got ", hd);
   if (nkv < 1 || nq % nkv != 0) fail("internal: ", nq, " query heads over ", nkv, " KV heads");
   if (!cache.table || cache.row != nkv * hd)
-    fail("internal: a KV cache of rows of ", cache.row, " floats for ", nkv, " heads of ", hd);
+    fail("internal: a KV cache of rows of ", cache.row, " values for ", nkv, " heads of ", hd);
   if (split.cluster < 0 || split.cluster > 16 || (split.cluster & (split.cluster - 1)) != 0)
     fail("internal: attention clusters of ", split.cluster, " blocks");
   if (prep) {
@@ -448,10 +465,8 @@ int launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, 
   }
   const PartialArgs a{q, batch, nq, nkv, hd, scale, positions, cache, prep ? *prep : QkPrep{}, scratch, out};
   const int gh = attention_heads_per_block(nq, nkv, hd, batch);
-  if (hd <= 32) launch_partial<1>(gh, a, split, s);
-  else if (hd <= 64) launch_partial<2>(gh, a, split, s);
-  else if (hd <= 128) launch_partial<4>(gh, a, split, s);
-  else launch_partial<8>(gh, a, split, s);
+  if (cache.type == KvType::BF16) launch_partial_hd<__nv_bfloat16>(gh, a, split, s);
+  else launch_partial_hd<float>(gh, a, split, s);
   KESTREL_CUDA_LAUNCHED();
   if (split.cluster > 0) return 1;
   launch_attention_combine(scratch, batch, nq, hd, split, out, s);

@@ -44,42 +44,44 @@ T* Decoder::buffer(size_t n) {
   return static_cast<T*>(p);
 }
 
-size_t Decoder::kv_block_bytes(const DeviceModel& model) {
+size_t Decoder::kv_block_bytes(const DeviceModel& model, KvType type) {
   const ModelConfig& c = model.config();
-  size_t row = 0;  // floats per position, all layers
+  size_t bytes = 0;  // per position, all layers
   if (c.is_mla()) {
-    row = size_t(c.num_layers) * size_t(c.mla.latent());
+    bytes = size_t(c.num_layers) * size_t(c.mla.latent()) * sizeof(float);
     for (const DLayer& L : model.layers())
-      if (L.mla.has_indexer) row += size_t(c.indexer.head_dim);
+      if (L.mla.has_indexer) bytes += size_t(c.indexer.head_dim) * sizeof(float);
   } else {
-    row = size_t(c.num_layers) * 2 * size_t(c.num_kv_heads * c.head_dim);
+    bytes = size_t(c.num_layers) * 2 * size_t(c.num_kv_heads * c.head_dim) * kv_type_bytes(type);
   }
-  return size_t(kKvBlock) * row * sizeof(float);
+  return size_t(kKvBlock) * bytes;
 }
 
 void Decoder::allocate_kv_pool() {
   const ModelConfig& c = m_.config();
   const size_t rows = size_t(kv_blocks_) * kKvBlock * size_t(c.num_layers);  // of every layer
-  const size_t bytes = size_t(kv_blocks_) * kv_block_bytes(m_);
-  auto pool = [&](size_t floats) {
+  const size_t bytes = size_t(kv_blocks_) * kv_block_bytes(m_, kv_type_);
+  auto pool = [&](size_t values, size_t value_bytes) {
     void* p = nullptr;
-    if (cudaMalloc(&p, std::max<size_t>(floats, 1) * sizeof(float)) != cudaSuccess) {
+    if (cudaMalloc(&p, std::max<size_t>(values, 1) * value_bytes) != cudaSuccess) {
       cudaGetLastError();  // not sticky: clear it
       fail("out of GPU memory for a KV cache of ", kv_blocks_, " blocks of ", kKvBlock, " positions (",
            bytes >> 20, " MiB)");
     }
     buffers_.push_back(p);
-    KESTREL_CUDA_CHECK(cudaMemset(p, 0, floats * sizeof(float)));
-    return static_cast<float*>(p);
+    KESTREL_CUDA_CHECK(cudaMemset(p, 0, values * value_bytes));
+    return p;
   };
   if (c.is_mla()) {
-    kv_k_ = kv_v_ = pool(rows * size_t(c.mla.latent()));  // v reads the same rows
+    kv_k_ = kv_v_ = pool(rows * size_t(c.mla.latent()), sizeof(float));  // v reads the same rows
     int n = 0;
     for (const DLayer& L : m_.layers()) index_slot_.push_back(L.mla.has_indexer ? n++ : -1);
-    if (n > 0) index_pool_ = pool(size_t(kv_blocks_) * kKvBlock * size_t(n) * size_t(c.indexer.head_dim));
+    if (n > 0)
+      index_pool_ = static_cast<float*>(
+          pool(size_t(kv_blocks_) * kKvBlock * size_t(n) * size_t(c.indexer.head_dim), sizeof(float)));
   } else {
-    kv_k_ = pool(rows * size_t(c.num_kv_heads * c.head_dim));
-    kv_v_ = pool(rows * size_t(c.num_kv_heads * c.head_dim));
+    kv_k_ = pool(rows * size_t(c.num_kv_heads * c.head_dim), kv_type_bytes(kv_type_));
+    kv_v_ = pool(rows * size_t(c.num_kv_heads * c.head_dim), kv_type_bytes(kv_type_));
   }
 }
 
@@ -111,10 +113,15 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
   if (from) {
     kv_k_ = from->kv_k_;
     kv_v_ = from->kv_v_;
+    kv_type_ = from->kv_type_;
     index_pool_ = from->index_pool_;
     index_slot_ = from->index_slot_;
     kv_blocks_ = from->kv_blocks_;
   } else {
+    if (kv.type != KvType::F32 && c.is_mla())
+      fail("a ", kv_type_name(kv.type), " KV cache is for models with grouped-query attention; ", c.architecture,
+           "'s MLA latents are cached as float32 (--kv-dtype f32 or auto)");
+    kv_type_ = kv.type;
     kv_blocks_ = kv.blocks > 0 ? kv.blocks : int64_t(seqs) * table_stride_;
     if (kv_blocks_ >= INT32_MAX) fail("a KV cache of ", kv_blocks_, " blocks: block ids are 32-bit");
     allocate_kv_pool();
@@ -204,9 +211,11 @@ KvLayer Decoder::kv(int layer) const {
   const ModelConfig& c = m_.config();
   const int64_t row = c.is_mla() ? c.mla.latent() : c.num_kv_heads * c.head_dim;
   const size_t per_layer = size_t(kv_blocks_) * kKvBlock * size_t(row);
+  const size_t value_bytes = c.is_mla() ? sizeof(float) : kv_type_bytes(kv_type_);
   KvLayer l;
-  l.k = kv_k_ + size_t(layer) * per_layer;
-  l.v = kv_v_ + size_t(layer) * per_layer;
+  l.k = static_cast<char*>(kv_k_) + size_t(layer) * per_layer * value_bytes;
+  l.v = static_cast<char*>(kv_v_) + size_t(layer) * per_layer * value_bytes;
+  l.type = c.is_mla() ? KvType::F32 : kv_type_;
   l.table = table_;
   l.table_stride = one_sequence_ ? 0 : table_stride_;
   l.row = int(row);

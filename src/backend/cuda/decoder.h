@@ -40,8 +40,11 @@ struct KvSource {
   int64_t blocks = 0;
   // Instead, the pool of this decoder (not one-sequence, same model and context): a one-sequence
   // decoder prefilling any of its sequences, whose one table row (table()) the caller fills
-  // with that sequence's row before each step.
+  // with that sequence's row before each step. It has that pool's type.
   const Decoder* borrow = nullptr;
+  // The type of the cached values of an own pool. BF16 for GQA models only (MLA latents and
+  // indexer keys stay float32).
+  KvType type = KvType::F32;
 };
 
 class Decoder {
@@ -98,8 +101,9 @@ class Decoder {
   // Sequence `seq`'s first blocks.size() table entries (the rest keep theirs), copied on `s`
   // before the next step enqueued there (the source may be reused once this returns).
   void set_table(int seq, std::span<const int32_t> blocks, cudaStream_t s);
+  KvType kv_type() const { return kv_type_; }
   // Device memory of one block of 16 positions, all layers, for a model (or one rank's part).
-  static size_t kv_block_bytes(const DeviceModel& model);
+  static size_t kv_block_bytes(const DeviceModel& model, KvType type);
 
  private:
   void advance(int batch, cudaStream_t s);
@@ -128,7 +132,8 @@ class Decoder {
   float *x_ = nullptr, *xn_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *att_ = nullptr, *act_ = nullptr;
   float *logits_ = nullptr, *att_scratch_ = nullptr;
   // The KV pool (all layers, layer by layer: kv_blocks_ blocks of 16 rows each), owned or borrowed.
-  float *kv_k_ = nullptr, *kv_v_ = nullptr;  // MLA: the latent rows; kv_v_ == kv_k_
+  void *kv_k_ = nullptr, *kv_v_ = nullptr;  // MLA: the latent rows; kv_v_ == kv_k_
+  KvType kv_type_ = KvType::F32;
   float* index_pool_ = nullptr;              // DSA: the indexer keys of the layers that have one
   std::vector<int> index_slot_;              // per layer: its place in index_pool_, -1 without an indexer
   int64_t kv_blocks_ = 0;

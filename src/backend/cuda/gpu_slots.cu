@@ -18,7 +18,7 @@ int checked_slots(int slots) {
 // The blocks the slots share (the spare block comes on top): kv_positions in whole blocks, or
 // for 0 a whole context per slot where 90% of every GPU's free memory holds it (the rest is for
 // the decoders' buffers and graphs), else as many as it holds.
-int64_t pool_blocks(const GpuModel& model, int slots, int context, int64_t kv_positions) {
+int64_t pool_blocks(const GpuModel& model, int slots, int context, int64_t kv_positions, KvType kv) {
   if (kv_positions > 0) return std::max<int64_t>(1, kv_positions / KvBlockPool::kBlock);
   const int64_t want = int64_t(slots) * KvBlockPool::blocks_for(context);
   std::vector<int64_t> fit(size_t(model.ranks()));
@@ -27,13 +27,13 @@ int64_t pool_blocks(const GpuModel& model, int slots, int context, int64_t kv_po
     size_t free = 0, total = 0;
     KESTREL_CUDA_CHECK(cudaMemGetInfo(&free, &total));
     free_bytes[size_t(r)] = free;
-    fit[size_t(r)] = int64_t(0.9 * double(free) / double(Decoder::kv_block_bytes(model.part(r)))) - 1;
+    fit[size_t(r)] = int64_t(0.9 * double(free) / double(Decoder::kv_block_bytes(model.part(r), kv))) - 1;
   });
   int64_t blocks = want;
   for (int r = 0; r < model.ranks(); ++r) {
     if (fit[size_t(r)] < 1)
       fail("GPU ", r, " has ", free_bytes[size_t(r)] >> 20, " MiB free after loading the model: no room for a KV cache (",
-           Decoder::kv_block_bytes(model.part(r)), " bytes per block of ", KvBlockPool::kBlock, " positions)");
+           Decoder::kv_block_bytes(model.part(r), kv), " bytes per block of ", KvBlockPool::kBlock, " positions)");
     blocks = std::min(blocks, fit[size_t(r)]);
   }
   return blocks;
@@ -41,18 +41,19 @@ int64_t pool_blocks(const GpuModel& model, int slots, int context, int64_t kv_po
 
 }  // namespace
 
-GpuSlots::GpuSlots(const GpuModel& model, int slots, int context, int64_t kv_positions)
+GpuSlots::GpuSlots(const GpuModel& model, int slots, int context, int64_t kv_positions, KvType kv)
     : model_(model), context_(context),
-      tables_(pool_blocks(model, checked_slots(slots), context, kv_positions), slots, context),
+      tables_(pool_blocks(model, checked_slots(slots), context, kv_positions, kv), slots, context),
       pos_(size_t(slots), 0), vocab_(model.part(0).config().vocab_size) {
   const int ranks = model.ranks();
   decs_.resize(size_t(ranks));
   prefill_.resize(size_t(ranks));
   for (int r = 0; r < ranks; ++r)
-    kv_bytes_ = std::max(kv_bytes_, size_t(tables_.pool_blocks()) * Decoder::kv_block_bytes(model.part(r)));
+    kv_bytes_ = std::max(kv_bytes_, size_t(tables_.pool_blocks()) * Decoder::kv_block_bytes(model.part(r), kv));
   model.each_rank([&](int r) {
     KvSource pool;
     pool.blocks = tables_.pool_blocks();
+    pool.type = kv;
     decs_[size_t(r)] = std::make_unique<Decoder>(model.part(r), slots, context, false, model.link(r), pool);
     KvSource borrow;
     borrow.borrow = decs_[size_t(r)].get();
@@ -78,7 +79,7 @@ GpuSlots::~GpuSlots() {
 std::string GpuSlots::kv_summary() const {
   char gib[32];
   std::snprintf(gib, sizeof gib, "%.2f", double(kv_bytes_) / double(1 << 30));
-  return std::to_string(kv_positions()) + " KV positions, " + gib + " GiB" + (model_.ranks() > 1 ? " per GPU" : "");
+  return std::to_string(kv_positions()) + " KV positions (" + kv_type_name(decs_[0]->kv_type()) + "), " + gib + " GiB" + (model_.ranks() > 1 ? " per GPU" : "");
 }
 
 std::string GpuSlots::describe() const { return "cuda, " + model_.describe() + ", " + kv_summary(); }

@@ -27,7 +27,8 @@ class GpuSlots final : public SequenceSlots {
   static constexpr int kMaxSlots = 64;
   // `kv_positions`: the KV pool the slots share (whole blocks of 16, at least one). 0: enough for
   // every slot to hold a whole context, or what 90% of the free memory of each GPU holds if less.
-  GpuSlots(const GpuModel& model, int slots, int context, int64_t kv_positions);
+  // kv: the type of the cached keys and values (KvSource::type).
+  GpuSlots(const GpuModel& model, int slots, int context, int64_t kv_positions, KvType kv = KvType::F32);
   ~GpuSlots() override;
 
   int slots() const override { return tables_.slots(); }
@@ -41,7 +42,7 @@ class GpuSlots final : public SequenceSlots {
 
   int64_t kv_positions() const { return tables_.blocks() * KvBlockPool::kBlock; }  // the engine's kv_tokens
   size_t kv_bytes() const { return kv_bytes_; }  // the pool's device memory on the GPU that holds the most
-  // "N KV positions, X GiB" (per GPU when split).
+  // "N KV positions (bf16), X GiB" (per GPU when split).
   std::string kv_summary() const;
 
  private:

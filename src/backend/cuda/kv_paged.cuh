@@ -1,13 +1,36 @@
 // The address of a position in the paged KV cache (kv_layer.h), for every kernel that reads or
 // writes it.
 #pragma once
+#include <cuda_bf16.h>
+
 #include <cstddef>
 
 #include "backend/cuda/kv_layer.h"
 
 namespace kestrel::cuda {
 
-// Floats from the layer's base to the row of (sequence seq, position pos). The table does not
+// The layer's keys (or values) as values of T, the type the kernel was instantiated for
+// (cache.type, checked at launch).
+template <class T>
+__host__ __device__ __forceinline__ T* kv_rows(void* p) {
+  return static_cast<T*>(p);
+}
+
+template <class T>
+constexpr KvType kv_type_of() {
+  return sizeof(T) == 2 ? KvType::BF16 : KvType::F32;
+}
+
+// A cached value as a float, and a float as a cached value (round to nearest).
+__device__ __forceinline__ float kv_float(float v) { return v; }
+__device__ __forceinline__ float kv_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <class T>
+__device__ __forceinline__ T kv_value(float v) {
+  if constexpr (sizeof(T) == 2) return __float2bfloat16_rn(v);
+  else return v;
+}
+
+// Values from the layer's base to the row of (sequence seq, position pos). The table does not
 // change while a kernel runs (it is copied in between steps), so it goes through the read-only
 // cache.
 __device__ __forceinline__ size_t kv_offset(const KvLayer& c, int seq, int pos) {

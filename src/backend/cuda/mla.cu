@@ -31,7 +31,7 @@ __global__ void mla_latent_store_kernel(const float* __restrict__ kv, MlaShape m
     if (i < m.rank) ss += row[i] * row[i];
   }
   const float inv = rsqrtf(block_sum(ss, red) / float(m.rank) + eps);  // also synchronizes
-  float* dst = cache.k + kv_offset(cache, b, pos);
+  float* dst = kv_rows<float>(cache.k) + kv_offset(cache, b, pos);
   for (int i = threadIdx.x; i < lat; i += blockDim.x)
     dst[i] = i < m.rank ? norm[i] * (row[i] * inv)
                         : rotated(row + m.rank, i - m.rank, pos, rope.inv_freq, rope.scaling, m.rope, rope.interleaved);
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kMlaHeads * 32) mla_attention_kernel(const flo
       const int v = threadIdx.x + k * kMlaHeads * 32;
       if (v < n * lat4) {
         const int u = v / lat4, p = chosen ? chosen[t0 + u] : t0 + u;
-        stage[k] = reinterpret_cast<const float4*>(cache.k + kv_offset(cache, b, p))[v % lat4];
+        stage[k] = reinterpret_cast<const float4*>(kv_rows<float>(cache.k) + kv_offset(cache, b, p))[v % lat4];
       }
     }
   };
@@ -231,7 +231,7 @@ __global__ void index_prep_kernel(float* __restrict__ iq, const float* __restric
   const float inv = rsqrtf(block_sum(ss, red) / float(x.dim) + 1e-6f);
   for (int i = threadIdx.x; i < x.dim; i += blockDim.x) v[i] = (v[i] - mean) * inv * norm_w[i] + norm_b[i];
   __syncthreads();
-  float* dst = cache.k + kv_offset(cache, b, pos);
+  float* dst = kv_rows<float>(cache.k) + kv_offset(cache, b, pos);
   for (int i = threadIdx.x; i < x.dim; i += blockDim.x)
     dst[i] = i < x.rope ? rotated(v, i, pos, rope.inv_freq, rope.scaling, x.rope, rope.interleaved) : v[i];
 }
@@ -266,7 +266,7 @@ __global__ void __launch_bounds__(kScoreThreads) index_scores_kernel(const float
   const bool live = j <= positions[b];
   float sc = 0.0f;
   if (live) {
-    const float4* key = reinterpret_cast<const float4*>(cache.k + kv_offset(cache, b, j));
+    const float4* key = reinterpret_cast<const float4*>(kv_rows<float>(cache.k) + kv_offset(cache, b, j));
     float dot[kHeadsPerLane];
     #pragma unroll
     for (int k = 0; k < kHeadsPerLane; ++k) dot[k] = 0.0f;
@@ -389,8 +389,9 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(const float
 
 void launch_mla_latent_store(const float* kv, int batch, const MlaShape& m, const float* norm, float eps,
                              const RopeArgs& rope, const int32_t* positions, KvLayer cache, cudaStream_t s) {
-  if (!cache.table || cache.row != m.latent())
-    fail("internal: an MLA cache of rows of ", cache.row, " floats for latents of ", m.latent());
+  if (!cache.table || cache.row != m.latent() || cache.type != KvType::F32)
+    fail("internal: an MLA cache of rows of ", cache.row, " ", kv_type_name(cache.type), " values for latents of ",
+         m.latent(), " floats");
   launch(mla_latent_store_kernel, dim3(unsigned(batch)), dim3(256), size_t(m.latent()) * sizeof(float), s, kv, m,
          norm, eps, rope, positions, cache);
   KESTREL_CUDA_LAUNCHED();
@@ -411,8 +412,9 @@ void launch_mla_attention(const float* q_latent, int batch, const MlaShape& m, f
   if (m.latent() > 32 * kMaxKPer || m.rank > 32 * kMaxVPer || m.latent() % 4 != 0)
     fail("CUDA MLA attention supports kv_lora_rank + qk_rope_head_dim up to ", 32 * kMaxKPer,
          " and a multiple of 4, got ", m.latent());
-  if (!cache.table || cache.row != m.latent())
-    fail("internal: an MLA cache of rows of ", cache.row, " floats for latents of ", m.latent());
+  if (!cache.table || cache.row != m.latent() || cache.type != KvType::F32)
+    fail("internal: an MLA cache of rows of ", cache.row, " ", kv_type_name(cache.type), " values for latents of ",
+         m.latent(), " floats");
   const dim3 grid(unsigned(split.splits), unsigned((m.heads + kMlaHeads - 1) / kMlaHeads), unsigned(batch));
   launch(mla_attention_kernel, grid, dim3(kMlaHeads * 32), size_t(2 * kTile * m.latent()) * sizeof(float), s, q_latent, m,
          scale, positions, cache, select, scratch);
@@ -430,8 +432,9 @@ void launch_mla_output(const float* att, int batch, const MlaShape& m, const DLi
 void launch_index_prep(float* iq, const float* ik, int batch, const IndexerShape& x, const float* norm_w,
                        const float* norm_b, const RopeArgs& rope, const int32_t* positions, KvLayer index_cache,
                        cudaStream_t s) {
-  if (!index_cache.table || index_cache.row != x.dim)
-    fail("internal: an index cache of rows of ", index_cache.row, " floats for keys of ", x.dim);
+  if (!index_cache.table || index_cache.row != x.dim || index_cache.type != KvType::F32)
+    fail("internal: an index cache of rows of ", index_cache.row, " ", kv_type_name(index_cache.type),
+         " values for keys of ", x.dim, " floats");
   launch(index_prep_kernel, dim3(unsigned(batch), unsigned(x.heads + 1)), dim3(128), size_t(x.dim) * sizeof(float), s,
          iq, ik, x, norm_w, norm_b, rope, positions, index_cache);
   KESTREL_CUDA_LAUNCHED();
@@ -442,8 +445,9 @@ void launch_index_scores(const float* iq, const float* iw, int batch, const Inde
                          cudaStream_t s) {
   if (x.heads > kMaxIndexHeads) fail("CUDA indexer supports up to ", kMaxIndexHeads, " index heads, got ", x.heads);
   if (x.dim % 4 != 0) fail("CUDA indexer needs index_head_dim to be a multiple of 4, got ", x.dim);
-  if (!index_cache.table || index_cache.row != x.dim)
-    fail("internal: an index cache of rows of ", index_cache.row, " floats for keys of ", x.dim);
+  if (!index_cache.table || index_cache.row != x.dim || index_cache.type != KvType::F32)
+    fail("internal: an index cache of rows of ", index_cache.row, " ", kv_type_name(index_cache.type),
+         " values for keys of ", x.dim, " floats");
   const size_t smem = size_t(x.heads * (x.dim + 4) + x.heads) * sizeof(float);
   if (smem > 48 * 1024) fail("CUDA indexer: ", x.heads, " heads of ", x.dim, " need more than 48 KiB of shared memory");
   constexpr int per_block = kScoreThreads / kScoreLanes;

@@ -30,7 +30,8 @@ __global__ void __launch_bounds__(kRowNormThreads) rms_norm_kernel(const float* 
 }
 
 // One block per (token, head); heads [0, nq) are queries, [nq, nq + nkv) keys (values are
-// copied alongside their key head).
+// copied alongside their key head). T: the cache's values (KvType).
+template <class T>
 __global__ void qk_rope_store_kernel(float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                                      int nq, int nkv, int hd, const float* __restrict__ q_norm,
                                      const float* __restrict__ k_norm, float eps, RopeArgs rope,
@@ -55,17 +56,22 @@ __global__ void qk_rope_store_kernel(float* __restrict__ q, const float* __restr
     for (int i = threadIdx.x; i < hd; i += blockDim.x) buf[i] = norm[i] * (buf[i] * inv);
   }
   __syncthreads();
-  const size_t at = is_q ? 0 : kv_offset(cache, b, pos) + size_t(kh) * hd;
-  float* dst = is_q ? q + (size_t(b) * nq + h) * hd : cache.k + at;
-  for (int i = threadIdx.x; i < hd; i += blockDim.x)
-    dst[i] = i < rope.rotary_dim ? rotated(buf, i, pos, rope.inv_freq, rope.scaling, rope.rotary_dim, rope.interleaved)
-                                 : buf[i];
-  if (!is_q) {
-    const float* vs = v + (size_t(b) * nkv + kh) * hd;
-    float* vd = cache.v + at;
-    #pragma unroll 4
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) vd[i] = vs[i];
+  auto out = [&](int i) {
+    return i < rope.rotary_dim ? rotated(buf, i, pos, rope.inv_freq, rope.scaling, rope.rotary_dim, rope.interleaved)
+                               : buf[i];
+  };
+  if (is_q) {
+    float* dst = q + (size_t(b) * nq + h) * hd;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) dst[i] = out(i);
+    return;
   }
+  const size_t at = kv_offset(cache, b, pos) + size_t(kh) * hd;
+  T* kd = kv_rows<T>(cache.k) + at;
+  for (int i = threadIdx.x; i < hd; i += blockDim.x) kd[i] = kv_value<T>(out(i));
+  const float* vs = v + (size_t(b) * nkv + kh) * hd;
+  T* vd = kv_rows<T>(cache.v) + at;
+  #pragma unroll 4
+  for (int i = threadIdx.x; i < hd; i += blockDim.x) vd[i] = kv_value<T>(vs[i]);
 }
 
 }  // namespace
@@ -79,9 +85,10 @@ void launch_qk_rope_store(float* q, const float* k, const float* v, int batch, i
                           const float* q_norm, const float* k_norm, float eps, const RopeArgs& rope,
                           const int32_t* positions, KvLayer cache, cudaStream_t s) {
   if (!cache.table || cache.row != nkv * hd)
-    fail("internal: a KV cache of rows of ", cache.row, " floats for ", nkv, " heads of ", hd);
-  launch(qk_rope_store_kernel, dim3(unsigned(batch), unsigned(nq + nkv)), dim3(64), size_t(hd) * sizeof(float), s, q,
-         k, v, nq, nkv, hd, q_norm, k_norm, eps, rope, positions, cache);
+    fail("internal: a KV cache of rows of ", cache.row, " values for ", nkv, " heads of ", hd);
+  auto* kernel = cache.type == KvType::BF16 ? qk_rope_store_kernel<__nv_bfloat16> : qk_rope_store_kernel<float>;
+  launch(kernel, dim3(unsigned(batch), unsigned(nq + nkv)), dim3(64), size_t(hd) * sizeof(float), s, q, k, v, nq, nkv,
+         hd, q_norm, k_norm, eps, rope, positions, cache);
   KESTREL_CUDA_LAUNCHED();
 }
 

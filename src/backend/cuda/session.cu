@@ -14,19 +14,23 @@ int checked_chunk(int chunk) {
 }
 }  // namespace
 
-Session::Session(const DeviceModel& model, int max_context, int chunk)
+Session::Session(const DeviceModel& model, int max_context, int chunk, KvType kv)
     : chunk_(checked_chunk(chunk)), vocab_(model.config().vocab_size) {
-  decs_.push_back(std::make_unique<Decoder>(model, chunk_, max_context, true));
+  KvSource own;
+  own.type = kv;
+  decs_.push_back(std::make_unique<Decoder>(model, chunk_, max_context, true, nullptr, own));
   KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
   streams_.push_back(own_stream_);
 }
 
-Session::Session(const GpuModel& model, int max_context, int chunk)
+Session::Session(const GpuModel& model, int max_context, int chunk, KvType kv)
     : gpus_(&model), chunk_(checked_chunk(chunk)), vocab_(model.part(0).config().vocab_size) {
   decs_.resize(size_t(model.ranks()));
   for (int r = 0; r < model.ranks(); ++r) streams_.push_back(model.stream(r));
+  KvSource own;
+  own.type = kv;
   model.each_rank([&](int r) {
-    decs_[size_t(r)] = std::make_unique<Decoder>(model.part(r), chunk_, max_context, true, model.link(r));
+    decs_[size_t(r)] = std::make_unique<Decoder>(model.part(r), chunk_, max_context, true, model.link(r), own);
   });
 }
 

@@ -23,9 +23,10 @@ class Session {
   // Positions per prefill step: each step reads the weights its tokens touch once, so larger
   // chunks prefill faster, at the price of activation and attention scratch growing with it.
   static constexpr int kDefaultChunk = 64;
-  Session(const DeviceModel& model, int max_context, int chunk = kDefaultChunk);
+  // kv: the type of the cached keys and values (KvSource::type).
+  Session(const DeviceModel& model, int max_context, int chunk = kDefaultChunk, KvType kv = KvType::F32);
   // A model on the GPUs, split or not.
-  Session(const GpuModel& model, int max_context, int chunk = kDefaultChunk);
+  Session(const GpuModel& model, int max_context, int chunk = kDefaultChunk, KvType kv = KvType::F32);
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
