@@ -77,13 +77,13 @@ PY
 # ppl_cuda_vs_cpu ID LABEL MODEL BYTES CONTEXT STRIDE: perplexity of the first BYTES of the committed text.
 ppl_cuda_vs_cpu() {
   head -c "$4" docs/data/pride_and_prejudice_ch1.txt >"$OUT/slice_$1.txt"
-  for d in cpu cuda:f32 cuda:bf16; do  # device:KV type
+  for d in cpu cuda:f32 cuda:auto; do  # device:KV type (auto: bf16, or f32 for MLA models)
     local dev=${d%%:*} flags=()
     [ "$dev" = cuda ] && flags=(--kv-dtype "${d#cuda:}")
     "$BUILD/src/kestrel" perplexity --model "$3" --text "$OUT/slice_$1.txt" --context "$5" --stride "$6" --device "$dev" \
       "${flags[@]}" --json "$OUT/ppl_$1_${d/:/_}.json" >>"$OUT/cli.txt" 2>&1
   done
-  for kv in f32 bf16; do
+  for kv in f32 auto; do
     python3 -c "
 import json, sys
 a, b = (json.load(open(sys.argv[i]))['perplexity'] for i in (1, 2))

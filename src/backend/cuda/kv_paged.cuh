@@ -30,6 +30,24 @@ __device__ __forceinline__ T kv_value(float v) {
   else return v;
 }
 
+// p[i] as a float where ok, else 0.
+template <class T>
+__device__ __forceinline__ float kv_load(const T* p, size_t i, bool ok) {
+  if constexpr (sizeof(T) == 2) {
+    const unsigned short bits = ok ? reinterpret_cast<const unsigned short*>(p)[i] : 0;
+    return __uint_as_float(uint32_t(bits) << 16);
+  } else {
+    return ok ? p[i] : 0.0f;
+  }
+}
+
+// BF16 p[i] and p[i + 1] (i even) as floats where ok, else 0: one 4-byte load.
+__device__ __forceinline__ void kv_load_pair(const __nv_bfloat16* p, size_t i, bool ok, float& lo, float& hi) {
+  const uint32_t w = ok ? *reinterpret_cast<const uint32_t*>(p + i) : 0u;
+  lo = __uint_as_float(w << 16);
+  hi = __uint_as_float(w & 0xFFFF0000u);
+}
+
 // Values from the layer's base to the row of (sequence seq, position pos). The table does not
 // change while a kernel runs (it is copied in between steps), so it goes through the read-only
 // cache.
