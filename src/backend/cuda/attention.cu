@@ -16,37 +16,36 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kMaxHd = 256;
 
-// Sums v[0..GH) over the warp; every lane ends with all GH totals. Halving butterfly: each
-// stage a lane keeps half of its values and adds its partner's half of the same heads, so GH
-// totals take log2(GH) + (5 - log2(GH)) exchanges of shrinking width plus GH broadcasts instead
-// of 5 * GH.
-template <int GH>
-__device__ __forceinline__ void warp_sums(float (&v)[GH], int lane) {
-  constexpr int kStages = GH >= 8 ? 3 : GH >= 4 ? 2 : GH >= 2 ? 1 : 0;
-  static_assert((1 << kStages) == GH, "head groups of 1, 2, 4 or 8");
-  float w[GH];
-  #pragma unroll
-  for (int i = 0; i < GH; ++i) w[i] = v[i];
-  #pragma unroll
-  for (int s = 0; s < kStages; ++s) {
-    const int n = GH >> s, o = 16 >> s;
+// Sums each of v[0..N) over the warp (N a power of two, at most 32) and returns one total per
+// lane: value n's in the lanes whose top log2(N) bits spell n (lane >> (5 - log2 N) == n).
+// Halving butterfly: each stage a lane keeps half of its values and adds its partner's half of
+// the same ones, so N totals take N - 1 exchanges of shrinking width plus 5 - log2(N) full ones,
+// instead of 5 N.
+// Stage S of warp_spread_sums: N >> S values to half as many. The widths are template constants
+// so that every loop unrolls and v stays in registers (a loop bound from an unrolled outer loop
+// left the array in local memory).
+template <int N, int S>
+__device__ __forceinline__ void spread_stage(float (&v)[N], int lane) {
+  if constexpr ((N >> S) >= 2) {
+    constexpr int n = N >> S, o = 16 >> S;
     const bool hi = lane & o;
     #pragma unroll
     for (int i = 0; i < n / 2; ++i) {
-      const float send = hi ? w[i] : w[i + n / 2], keep = hi ? w[i + n / 2] : w[i];
-      w[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+      const float send = hi ? v[i] : v[i + n / 2], keep = hi ? v[i + n / 2] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
     }
+    spread_stage<N, S + 1>(v, lane);
   }
+}
+
+template <int N>
+__device__ __forceinline__ float warp_spread_sums(float (&v)[N], int lane) {
+  constexpr int kStages = N >= 32 ? 5 : N >= 16 ? 4 : N >= 8 ? 3 : N >= 4 ? 2 : N >= 2 ? 1 : 0;
+  static_assert((1 << kStages) == N, "a power of two, at most 32");
+  spread_stage<N, 0>(v, lane);
   #pragma unroll
-  for (int o = 16 >> kStages; o > 0; o >>= 1) w[0] += __shfl_xor_sync(0xffffffffu, w[0], o);
-  // Lane bit 4 - s chose the upper half at stage s: head g lives in the lane whose bits spell g.
-  #pragma unroll
-  for (int g = 0; g < GH; ++g) {
-    int src = 0;
-    #pragma unroll
-    for (int s = 0; s < kStages; ++s) src |= ((g >> (kStages - 1 - s)) & 1) << (4 - s);
-    v[g] = __shfl_sync(0xffffffffu, w[0], src);
-  }
+  for (int o = 16 >> kStages; o > 0; o >>= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+  return v[0];
 }
 
 // Split-K decode attention (flash-decoding), grouped by KV head: block (KV head and group of GH
@@ -186,7 +185,8 @@ __global__ void __launch_bounds__(W * 32) attention_partial_kernel(const float* 
       __syncthreads();
     }
   }
-  float qr[GH][kPer], acc[GH][kPer], m[GH], l[GH];
+  // Each lane keeps the running max and sum of one head (its `mine` below), the values of all.
+  float qr[GH][kPer], acc[GH][kPer], m_run = -FLT_MAX, l_run = 0.0f;
   #pragma unroll
   for (int g = 0; g < GH; ++g) {
     const float* qv = q + (size_t(b) * nq + h0 + g) * hd;
@@ -196,43 +196,62 @@ __global__ void __launch_bounds__(W * 32) attention_partial_kernel(const float* 
       qr[g][i] = d < hd ? (prepping ? s_new[g][d] : qv[d]) * scale : 0.0f;
       acc[g][i] = 0.0f;
     }
-    m[g] = -FLT_MAX;
-    l[g] = 0.0f;
   }
-  // One position into the warp's online softmax of each head.
-  auto attend = [&](const float (&kr)[kPer], const float (&vr)[kPer]) {
-    float sdot[GH];
+  // A round of kUnroll positions (the first `valid` of them) into the warp's online softmax of
+  // each head. The kUnroll x GH scores are summed over the warp so that each lane ends with one
+  // of them (warp_spread_sums), whose exponent it alone takes: per round two exponentials a
+  // lane, not two per position and head, and N shuffles for the sums instead of about 2.5 N.
+  // Lane `lane` holds score (head, position) = (mine / kUnroll, mine % kUnroll).
+  constexpr int kN = kUnroll * GH, kShift = 5 - (kN >= 32 ? 5 : kN >= 16 ? 4 : kN >= 8 ? 3 : kN >= 4 ? 2 : 1);
+  static_assert(kN >= 2 && kN <= 32, "a round's scores fit the warp");
+  const int mine = lane >> kShift;
+  auto attend = [&](const float (&kr)[kUnroll][kPer], const float (&vr)[kUnroll][kPer], int valid) {
+    float sc[kN];
+    #pragma unroll
+    for (int g = 0; g < GH; ++g)
+      #pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        float t = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < kPer; ++i) t = fmaf(qr[g][i], kr[u][i], t);
+        sc[g * kUnroll + u] = t;
+      }
+    const float total = warp_spread_sums<kN>(sc, lane);  // every lane: it shuffles
+    const float x = (mine % kUnroll) < valid ? total : -FLT_MAX;
+    // The head's max and sum over the round: the lanes of one head differ in the bits of u.
+    float mx = x;
+    #pragma unroll
+    for (int o = 1; o < kUnroll; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o << kShift));
+    const float mn = fmaxf(m_run, mx), corr = __expf(m_run - mn), p = __expf(x - mn);
+    float ps = p;
+    #pragma unroll
+    for (int o = 1; o < kUnroll; o <<= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o << kShift);
+    l_run = l_run * corr + ps;
+    m_run = mn;
     #pragma unroll
     for (int g = 0; g < GH; ++g) {
-      sdot[g] = 0.0f;
+      const float c = __shfl_sync(0xffffffffu, corr, (g * kUnroll) << kShift);
       #pragma unroll
-      for (int i = 0; i < kPer; ++i) sdot[g] = fmaf(qr[g][i], kr[i], sdot[g]);
-    }
-    warp_sums<GH>(sdot, lane);
-    #pragma unroll
-    for (int g = 0; g < GH; ++g) {
-      const float mn = fmaxf(m[g], sdot[g]), corr = __expf(m[g] - mn), pw = __expf(sdot[g] - mn);
-      l[g] = l[g] * corr + pw;
+      for (int i = 0; i < kPer; ++i) acc[g][i] *= c;
       #pragma unroll
-      for (int i = 0; i < kPer; ++i) acc[g][i] = fmaf(pw, vr[i], acc[g][i] * corr);
-      m[g] = mn;
+      for (int u = 0; u < kUnroll; ++u) {
+        const float pu = __shfl_sync(0xffffffffu, p, (g * kUnroll + u) << kShift);
+        #pragma unroll
+        for (int i = 0; i < kPer; ++i) acc[g][i] = fmaf(pu, vr[u][i], acc[g][i]);
+      }
     }
   };
   if (has_new && warp == W - 1) {  // the new position, from shared memory (the last warp has the fewest rows)
-    float kn[kPer], vn[kPer];
+    float kn[kUnroll][kPer] = {}, vn[kUnroll][kPer] = {};
     #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int d = lane_dim<T, kPer>(lane, i);
-      kn[i] = s_new[GH][d], vn[i] = s_new[GH + 1][d];
+      kn[0][i] = s_new[GH][d], vn[0][i] = s_new[GH + 1][d];
     }
-    attend(kn, vn);
+    attend(kn, vn, 1);
   }
   if (early) {
-    #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (p0 + u >= cached_end) break;
-      attend(k0[u], v0[u]);
-    }
+    if (p0 < cached_end) attend(k0, v0, min(kUnroll, cached_end - p0));
     p0 += W * kUnroll;
   }
   // The remaining rounds, each loaded into registers of its own iteration (carrying a round across
@@ -240,15 +259,12 @@ __global__ void __launch_bounds__(W * 32) attention_partial_kernel(const float* 
   for (; p0 < cached_end; p0 += W * kUnroll) {
     float kr[kUnroll][kPer], vr[kUnroll][kPer];
     load(p0, kr, vr);
-    #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (p0 + u >= cached_end) break;
-      attend(kr[u], vr[u]);
-    }
+    attend(kr, vr, min(kUnroll, cached_end - p0));
   }
+  if (lane == ((mine / kUnroll) * kUnroll) << kShift)  // the first lane of its head
+    s_m[warp][mine / kUnroll] = m_run, s_l[warp][mine / kUnroll] = l_run;
   #pragma unroll
   for (int g = 0; g < GH; ++g) {
-    if (lane == 0) s_m[warp][g] = m[g], s_l[warp][g] = l[g];
     #pragma unroll
     for (int i = 0; i < kPer; ++i) s_acc[(warp * GH + g) * kRow + lane_dim<T, kPer>(lane, i)] = acc[g][i];
   }
