@@ -7,8 +7,8 @@
 #                  BASE's versions of the tracked files under src/, tests/ and cmake/ and of the
 #                  CMakeLists that differ from this tree, into .ab-base/ (ignored by git)
 #   GPU machine: scripts/gpu_ab.sh run [ROUNDS] -- BENCH ARGS...      (carry .deps and .ab-base)
-#                  builds kestrel from this tree, then with BASE's files swapped in (only those
-#                  rebuild), restores this tree, runs `kestrel bench BENCH ARGS` ROUNDS times
+#                  builds kestrel from this tree, then with BASE's files swapped in (in a build
+#                  directory of its own), restores this tree, runs `kestrel bench BENCH ARGS` ROUNDS times
 #                  (default 2) alternately, this tree first, and prints the median ms per step of
 #                  each batch and their ratio. Results in $OUT/ab (or ./out/ab).
 #   here:        scripts/gpu_ab.sh check
@@ -122,8 +122,14 @@ run() {
   cp "$BUILD/src/kestrel" "$dir/kestrel_head"
   KEEP=$dir/head_files
   swap "$KEEP"
+  # BASE builds in a directory of its own: its objects in $BUILD would be newer than this tree's
+  # sources when they arrive on the next machine (build outputs persist, sources keep their times),
+  # and the next build there would take them for up to date.
+  local head_build=$BUILD
+  BUILD=$head_build-ab-base
   gpu_build "$dir/build_base.log" kestrel || die "build with the base files failed: $dir/build_base.log"
   cp "$BUILD/src/kestrel" "$dir/kestrel_base"
+  BUILD=$head_build
   restore "$KEEP"
   KEEP=
   local i v
