@@ -16,38 +16,6 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kMaxHd = 256;
 
-// Sums each of v[0..N) over the warp (N a power of two, at most 32) and returns one total per
-// lane: value n's in the lanes whose top log2(N) bits spell n (lane >> (5 - log2 N) == n).
-// Halving butterfly: each stage a lane keeps half of its values and adds its partner's half of
-// the same ones, so N totals take N - 1 exchanges of shrinking width plus 5 - log2(N) full ones,
-// instead of 5 N.
-// Stage S of warp_spread_sums: N >> S values to half as many. The widths are template constants
-// so that every loop unrolls and v stays in registers (a loop bound from an unrolled outer loop
-// left the array in local memory).
-template <int N, int S>
-__device__ __forceinline__ void spread_stage(float (&v)[N], int lane) {
-  if constexpr ((N >> S) >= 2) {
-    constexpr int n = N >> S, o = 16 >> S;
-    const bool hi = lane & o;
-    #pragma unroll
-    for (int i = 0; i < n / 2; ++i) {
-      const float send = hi ? v[i] : v[i + n / 2], keep = hi ? v[i + n / 2] : v[i];
-      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
-    }
-    spread_stage<N, S + 1>(v, lane);
-  }
-}
-
-template <int N>
-__device__ __forceinline__ float warp_spread_sums(float (&v)[N], int lane) {
-  constexpr int kStages = N >= 32 ? 5 : N >= 16 ? 4 : N >= 8 ? 3 : N >= 4 ? 2 : N >= 2 ? 1 : 0;
-  static_assert((1 << kStages) == N, "a power of two, at most 32");
-  spread_stage<N, 0>(v, lane);
-  #pragma unroll
-  for (int o = 16 >> kStages; o > 0; o >>= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
-  return v[0];
-}
-
 // Split-K decode attention (flash-decoding), grouped by KV head: block (KV head and group of GH
 // of its query heads, sequence, split) covers positions [split * chunk, (split + 1) * chunk) of
 // that sequence and loads each key and value row once for its GH query heads (GQA: the
@@ -202,7 +170,7 @@ __global__ void __launch_bounds__(W * 32) attention_partial_kernel(const float* 
   // of them (warp_spread_sums), whose exponent it alone takes: per round two exponentials a
   // lane, not two per position and head, and N shuffles for the sums instead of about 2.5 N.
   // Lane `lane` holds score (head, position) = (mine / kUnroll, mine % kUnroll).
-  constexpr int kN = kUnroll * GH, kShift = 5 - (kN >= 32 ? 5 : kN >= 16 ? 4 : kN >= 8 ? 3 : kN >= 4 ? 2 : 1);
+  constexpr int kN = kUnroll * GH, kShift = 5 - spread_bits(kN);
   static_assert(kN >= 2 && kN <= 32, "a round's scores fit the warp");
   const int mine = lane >> kShift;
   auto attend = [&](const float (&kr)[kUnroll][kPer], const float (&vr)[kUnroll][kPer], int valid) {

@@ -159,19 +159,44 @@ __global__ void __launch_bounds__(kMlaHeads * 32) mla_attention_kernel(const flo
     const float* tile = reinterpret_cast<const float*>(tiles + buf * kTile * lat4);
     const int n = min(kTile, end - t0);
     if (active) {
-      for (int u = 0; u < n; ++u) {
-        const float* row = tile + u * lat;
-        float sc = 0.0f;
-        #pragma unroll
-        for (int i = 0; i < kMaxKPer; ++i)
-          if (lane + 32 * i < lat) sc = fmaf(qr[i], row[lane + 32 * i], sc);
-        sc = warp_sum(sc);
-        const float mn = fmaxf(mx, sc), corr = __expf(mx - mn), pw = __expf(sc - mn);
-        l = l * corr + pw;
-        #pragma unroll
-        for (int i = 0; i < kMaxVPer; ++i)
-          if (lane + 32 * i < m.rank) acc[i] = fmaf(pw, row[lane + 32 * i], acc[i] * corr);
-        mx = mn;
+      // The tile's scores summed over the warp so that each lane ends with one (lanes 4u..4u+3
+      // hold position u's: warp_spread_sums), whose exponent it alone takes; the warp's max,
+      // sum and correction are then one per tile, not one per position.
+      float sc[kTile];
+      #pragma unroll
+      for (int u = 0; u < kTile; ++u) {
+        float t = 0.0f;
+        if (u < n) {
+          const float* row = tile + u * lat;
+          #pragma unroll
+          for (int i = 0; i < kMaxKPer; ++i)
+            if (lane + 32 * i < lat) t = fmaf(qr[i], row[lane + 32 * i], t);
+        }
+        sc[u] = t;
+      }
+      constexpr int kShift = 5 - spread_bits(kTile);
+      const float total = warp_spread_sums<kTile>(sc, lane);
+      const float x = (lane >> kShift) < n ? total : -FLT_MAX;
+      float tmax = x;
+      #pragma unroll
+      for (int o = 1 << kShift; o < 32; o <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o));
+      const float mn = fmaxf(mx, tmax), corr = __expf(mx - mn), p = __expf(x - mn);
+      float ps = p;
+      #pragma unroll
+      for (int o = 1 << kShift; o < 32; o <<= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+      l = l * corr + ps;
+      mx = mn;
+      #pragma unroll
+      for (int i = 0; i < kMaxVPer; ++i) acc[i] *= corr;
+      #pragma unroll
+      for (int u = 0; u < kTile; ++u) {
+        const float pu = __shfl_sync(0xffffffffu, p, u << kShift);
+        if (u < n) {
+          const float* row = tile + u * lat;
+          #pragma unroll
+          for (int i = 0; i < kMaxVPer; ++i)
+            if (lane + 32 * i < m.rank) acc[i] = fmaf(pu, row[lane + 32 * i], acc[i]);
+        }
       }
     }
     if (more) commit(t0 + kTile, tiles + (buf ^ 1) * kTile * lat4);

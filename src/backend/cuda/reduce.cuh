@@ -1,4 +1,4 @@
-// Block-wide reductions shared by the small kernels.
+// Block- and warp-wide reductions shared by the kernels.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -59,6 +59,41 @@ __device__ __forceinline__ void block_rms_norm(const float* x, const float4 (&g)
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
+}
+
+// log2 of warp_spread_sums' N: its totals sit in lanes n << (5 - spread_bits(N)) and up.
+__host__ __device__ constexpr int spread_bits(int n) { return n >= 32 ? 5 : n >= 16 ? 4 : n >= 8 ? 3 : n >= 4 ? 2 : n >= 2 ? 1 : 0; }
+
+// Stage S of warp_spread_sums: N >> S values to half as many. The widths are template constants
+// so that every loop unrolls and v stays in registers (a loop bound from an unrolled outer loop
+// left the array in local memory).
+template <int N, int S>
+__device__ __forceinline__ void spread_stage(float (&v)[N], int lane) {
+  if constexpr ((N >> S) >= 2) {
+    constexpr int n = N >> S, o = 16 >> S;
+    const bool hi = lane & o;
+    #pragma unroll
+    for (int i = 0; i < n / 2; ++i) {
+      const float send = hi ? v[i] : v[i + n / 2], keep = hi ? v[i + n / 2] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+    }
+    spread_stage<N, S + 1>(v, lane);
+  }
+}
+
+// Sums each of v[0..N) over the warp (N a power of two, at most 32) and returns one total per
+// lane: value n's in the lanes whose top log2(N) bits spell n (lane >> (5 - log2 N) == n).
+// Halving butterfly: each stage a lane keeps half of its values and adds its partner's half of
+// the same ones, so N totals take N - 1 exchanges of shrinking width plus 5 - log2(N) full ones,
+// instead of 5 N.
+template <int N>
+__device__ __forceinline__ float warp_spread_sums(float (&v)[N], int lane) {
+  constexpr int kStages = spread_bits(N);
+  static_assert((1 << kStages) == N, "a power of two, at most 32");
+  spread_stage<N, 0>(v, lane);
+  #pragma unroll
+  for (int o = 16 >> kStages; o > 0; o >>= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+  return v[0];
 }
 
 // Element i (< rotary_dim) of a vector after the rotary embedding at position pos; x holds the
