@@ -16,6 +16,16 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kMaxHd = 256;
 
+// The head dimension that a lane holds as its value i of a vector: lane + 32 i, or over a BF16
+// cache (two values or more per lane) pairs, 2 lane and 2 lane + 1, then 64 + 2 lane, ..., so
+// that a warp's 4-byte loads read whole 128-byte lines of the cache. With 2-byte loads, two
+// loads shared each line: BF16 steps were 20-40% slower than float32 ones at 8192 positions.
+template <class T, int kPer>
+__device__ __forceinline__ int lane_dim(int lane, int i) {
+  if constexpr (sizeof(T) == 2 && kPer >= 2) return 64 * (i >> 1) + 2 * lane + (i & 1);
+  else return lane + 32 * i;
+}
+
 // Split-K decode attention (flash-decoding), grouped by KV head: block (KV head and group of GH
 // of its query heads, sequence, split) covers positions [split * chunk, (split + 1) * chunk) of
 // that sequence and loads each key and value row once for its GH query heads (GQA: the
@@ -32,17 +42,7 @@ constexpr int kMaxHd = 256;
 // With prep (prep.k set): q is as projected; each block normalizes and rotates its own query
 // heads, and the blocks whose chunk holds the new position do the same for the new key, attend
 // to it from shared memory, and one of them per KV head stores it and its value to the cache.
-// The head dimension that a lane holds as its value i of a vector: lane + 32 i, or over a BF16
-// cache (two values or more per lane) pairs, 2 lane and 2 lane + 1, then 64 + 2 lane, ..., so
-// that a warp's 4-byte loads read whole 128-byte lines of the cache. With 2-byte loads, two
-// loads shared each line: BF16 steps were 20-40% slower than float32 ones at 8192 positions.
-template <class T, int kPer>
-__device__ __forceinline__ int lane_dim(int lane, int i) {
-  if constexpr (sizeof(T) == 2 && kPer >= 2) return 64 * (i >> 1) + 2 * lane + (i & 1);
-  else return lane + 32 * i;
-}
-
-// T: the cache's values (KvType).
+// T: the type of the cache's values (KvType).
 template <int kPer, int GH, int W, bool Fused, class T>
 __global__ void __launch_bounds__(W * 32) attention_partial_kernel(const float* __restrict__ q, int nq, int nkv, int hd,
                                                                   float scale, const int32_t* __restrict__ positions,

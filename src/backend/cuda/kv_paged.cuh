@@ -16,11 +16,6 @@ __host__ __device__ __forceinline__ T* kv_rows(void* p) {
   return static_cast<T*>(p);
 }
 
-template <class T>
-constexpr KvType kv_type_of() {
-  return sizeof(T) == 2 ? KvType::BF16 : KvType::F32;
-}
-
 // A cached value as a float, and a float as a cached value (round to nearest).
 __device__ __forceinline__ float kv_float(float v) { return v; }
 __device__ __forceinline__ float kv_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -30,7 +25,7 @@ __device__ __forceinline__ T kv_value(float v) {
   else return v;
 }
 
-// p[i] as a float where ok, else 0.
+// p[i] as a float where ok, else 0 (BF16 widened with a shift).
 template <class T>
 __device__ __forceinline__ float kv_load(const T* p, size_t i, bool ok) {
   if constexpr (sizeof(T) == 2) {
