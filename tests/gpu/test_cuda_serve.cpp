@@ -3,12 +3,14 @@
 // unsplit and split over every GPU, give the tokens the CPU engine gives each of them (greedy
 // ones drawn on the GPU, sampled ones on the host): with a pool of a whole context per sequence,
 // with a pool so small that requests wait for blocks and take the ones others gave back, and
-// sixteen sequences at once. Tokens sampled on the GPU are the draws their seeds and counters
-// give from the CPU's distribution.
+// sixteen sequences at once. With a BF16 KV cache, each greedy sequence gets the tokens a BF16
+// Session gives it alone. Tokens sampled on the GPU are the draws their seeds and counters give
+// from the CPU's distribution.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "../unit/fixture.h"
@@ -16,6 +18,7 @@
 #include "backend/cuda/gpu_model.h"
 #include "backend/cuda/gpu_slots.h"
 #include "backend/cuda/philox.h"
+#include "backend/cuda/session.h"
 #include "runtime/engine.h"
 
 namespace kestrel {
@@ -65,8 +68,9 @@ std::vector<std::vector<int32_t>> serve(Engine& e, int count) {
 
 // The engine on GpuSlots with a pool of kv_positions (0: sized by GpuSlots), admitting what the
 // pool holds, as kestrel serve sets it up.
-std::unique_ptr<Engine> gpu_engine(const Model& model, EngineOptions o, const cuda::GpuModel& gpus, int64_t kv_positions) {
-  auto slots = std::make_unique<cuda::GpuSlots>(gpus, o.max_batch, int(o.context), kv_positions);
+std::unique_ptr<Engine> gpu_engine(const Model& model, EngineOptions o, const cuda::GpuModel& gpus, int64_t kv_positions,
+                                   cuda::KvType kv = cuda::KvType::F32) {
+  auto slots = std::make_unique<cuda::GpuSlots>(gpus, o.max_batch, int(o.context), kv_positions, kv);
   o.kv_tokens = slots->kv_positions();
   return std::make_unique<Engine>(model, o, std::move(slots));
 }
@@ -121,6 +125,45 @@ TEST(CudaServe, SixteenSequencesAtOnce) {
   o.context = 64;
   o.threads = 2;
   expect_cpu_tokens(o, 20, 0, 16 * 64);
+}
+
+// With a BF16 KV cache (serve's default for GQA models), batched steps give each greedy
+// sequence the tokens a BF16 Session gives it alone: the same rounding of the same keys and
+// values, where the CPU's float32 cache would round differently.
+TEST(CudaServe, Bf16CacheGivesEachSequenceItsOwnTokens) {
+  auto model = load_model(test::fixture_dir("qwen3moe-nvfp4"));
+  const size_t V = size_t(model->config.vocab_size);
+  EngineOptions o;
+  o.max_batch = 4;  // 6 requests: two wait for a slot
+  o.context = 64;
+  o.threads = 2;
+  std::vector<GenerationRequest> rs = requests(6);
+  for (auto& r : rs) r.sampling = SamplerOptions{}, r.top_logprobs = -1;  // greedy, drawn on the GPU
+  cuda::GpuModel on_gpu(*model, Layout{1, 1});
+  std::vector<std::vector<int32_t>> got(rs.size());
+  {
+    auto gpu = gpu_engine(*model, o, on_gpu, 0, cuda::KvType::BF16);
+    EXPECT_NE(gpu->describe().find("KV positions (bf16)"), std::string::npos) << gpu->describe();
+    std::vector<std::shared_ptr<RequestStream>> streams;
+    for (const auto& r : rs) streams.push_back(gpu->submit(r));
+    for (size_t q = 0; q < rs.size(); ++q) {
+      Finish f = Finish::None;
+      got[q] = drain(*streams[q], &f);
+      EXPECT_EQ(f, Finish::Length) << "request " << q;
+    }
+    gpu->shutdown(1.0);
+  }  // the engine is gone before the sessions run on its GPU model (they share its streams)
+  for (size_t q = 0; q < rs.size(); ++q) {
+    cuda::Session alone(on_gpu, int(o.context), cuda::Session::kDefaultChunk, cuda::KvType::BF16);
+    std::vector<float> logits(V);
+    std::vector<int32_t> want;
+    alone.run(rs[q].prompt, logits.data());
+    while (want.size() < size_t(rs[q].max_tokens)) {
+      want.push_back(int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin()));
+      alone.run({&want.back(), 1}, logits.data());
+    }
+    EXPECT_EQ(got[q], want) << "request " << q;
+  }
 }
 
 // GpuSlots refuses what it cannot run, naming the numbers.
