@@ -43,6 +43,16 @@ struct Stream {
   ~Stream() { cudaStreamDestroy(s); }
 };
 
+// The CPU reference's logits for every token of a fixture's sequence, run at once: [tokens, vocab].
+std::vector<float> cpu_sequence_logits(const Model& model, const test::Reference& ref) {
+  ThreadPool pool(2);
+  cpu::Forward fwd(model, pool);
+  KvCache cache = fwd.make_cache(int64_t(ref.tokens.size()));
+  std::vector<float> out(ref.tokens.size() * size_t(ref.vocab));
+  fwd.run(ref.tokens, cache, out.data());
+  return out;
+}
+
 std::vector<float> logits_of(const cuda::Decoder& d, int batch, int64_t vocab) {
   std::vector<float> v(static_cast<size_t>(batch * vocab));
   KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
@@ -87,11 +97,8 @@ TEST_P(CudaModelTest, SessionMatchesCpu) {
   const int64_t T = int64_t(ref.tokens.size()), V = ref.vocab, P = T / 2;
   auto dm = cuda::DeviceModel::upload(*model);
   cuda::Session session(*dm, int(T));
-  ThreadPool pool(2);
-  cpu::Forward fwd(*model, pool);
-  KvCache cache = fwd.make_cache(T);
-  std::vector<float> want(static_cast<size_t>(T * V)), got(static_cast<size_t>(P * V));
-  fwd.run(ref.tokens, cache, want.data());
+  const std::vector<float> want = cpu_sequence_logits(*model, ref);
+  std::vector<float> got(static_cast<size_t>(P * V));
   session.run({ref.tokens.data(), size_t(P)}, got.data(), true);
   for (int64_t t = 0; t < P; ++t)
     EXPECT_LE(test::rel_l2(got.data() + t * V, want.data() + t * V, V), kVsCpu) << "position " << t;
@@ -134,11 +141,8 @@ TEST_P(CudaModelTest, Bf16CacheStaysCloseToCpu) {
     return;
   }
   cuda::Session session(*dm, int(T), 3, cuda::KvType::BF16);
-  ThreadPool pool(2);
-  cpu::Forward fwd(*model, pool);
-  KvCache cache = fwd.make_cache(T);
-  std::vector<float> want(static_cast<size_t>(T * V)), got(static_cast<size_t>(T * V));
-  fwd.run(ref.tokens, cache, want.data());
+  const std::vector<float> want = cpu_sequence_logits(*model, ref);
+  std::vector<float> got(static_cast<size_t>(T * V));
   session.run({ref.tokens.data(), size_t(P)}, got.data(), true);
   for (int64_t t = P; t < T; ++t) session.run({ref.tokens.data() + t, 1}, got.data() + t * V, false);
   double worst = 0;
@@ -250,11 +254,7 @@ TEST_P(CudaModelTest, PagedTablesAndABorrowedPoolMatchCpu) {
     EXPECT_EQ(logits_of(paged, B, V), logits_of(ident, B, V)) << "step " << t;
   }
 
-  ThreadPool pool(2);
-  cpu::Forward fwd(*model, pool);
-  KvCache cache = fwd.make_cache(T);
-  std::vector<float> want(static_cast<size_t>(T * V));
-  fwd.run(ref.tokens, cache, want.data());
+  const std::vector<float> want = cpu_sequence_logits(*model, ref);
   cuda::KvSource borrow;
   borrow.borrow = &paged;
   cuda::Decoder prefill(*dm, 8, int(T), true, nullptr, borrow);
