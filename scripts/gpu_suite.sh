@@ -32,6 +32,8 @@ if [ -z "${GTEST_FILTER:-}" ]; then
   # The linear kernels with every token group of a pass in one block row (small matrices
   # otherwise spread them, so 2 and 4 groups per block would go untested).
   rerun gpu_tests_fill0.log '*LinearTest*:CudaOps.ThreeJobs*' KESTREL_LINEAR_FILL=0
+  # And with K never split over clusters (those shapes then take the wide kernel).
+  rerun gpu_tests_nosplit.log '*LinearTest*:CudaOps.ThreeJobs*' KESTREL_LINEAR_SPLIT=0
   # With several GPUs, the split tests on one of them: the split code path with one rank.
   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     rerun gpu_tests_one_gpu.log '*Split*:RankGroup*:CudaCommOneRank*' CUDA_VISIBLE_DEVICES=0
@@ -184,6 +186,8 @@ echo "== kestrel GPU suite =="
 printf "tests: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests.log" | tr '\n' ' ')"
 [ -f "$OUT/gpu_tests_fill0.log" ] &&
   printf "linear tests, groups in one block row: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests_fill0.log" | tr '\n' ' ')"
+[ -f "$OUT/gpu_tests_nosplit.log" ] &&
+  printf "linear tests, K never split: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests_nosplit.log" | tr '\n' ' ')"
 [ -f "$OUT/gpu_tests_one_gpu.log" ] &&
   printf "split tests on one GPU: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests_one_gpu.log" | tr '\n' ' ')"
 grep -h "random Qwen3" "$OUT/gpu_tests.log" || true

@@ -143,7 +143,13 @@ INSTANTIATE_TEST_SUITE_P(
                       // Tall enough for the tiled kernel (a block of 128 rows per SM), 8, 2 and 4 groups
                       // in one block row (small matrices spread them over more).
                       LinearCase{WeightFormat::NVFP4, 20000, 128, 64}, LinearCase{WeightFormat::BF16, 17000, 64, 40},
-                      LinearCase{WeightFormat::NVFP4, 17000, 128, 16}, LinearCase{WeightFormat::BF16, 17000, 192, 27}));
+                      LinearCase{WeightFormat::NVFP4, 17000, 128, 16}, LinearCase{WeightFormat::BF16, 17000, 192, 27},
+                      // Too few 128-row blocks for the SMs (132 on an H200): the tiled kernel with K split
+                      // over a cluster: q/k/v- and o-shaped, one group of 8 tokens, 21 chunks in uneven
+                      // parts with a row block cut by the matrix end.
+                      LinearCase{WeightFormat::NVFP4, 5120, 2048, 64}, LinearCase{WeightFormat::NVFP4, 2048, 4096, 32},
+                      LinearCase{WeightFormat::BF16, 1000, 1024, 16}, LinearCase{WeightFormat::NVFP4, 700, 1344, 40},
+                      LinearCase{WeightFormat::NVFP4, 4096, 2048, 8}));
 
 // An RMSNorm of the input inside the product (one token on CUDA cores) or, where the kernel
 // cannot take it, launched first into norm.out: both against the CPU's norm then product.
@@ -186,6 +192,25 @@ TEST(CudaOps, ThreeJobsInOneLaunch) {
     std::vector<float> ref(size_t(B) * w->host.out);
     cpu::linear(w->host, x.data(), B, ref.data(), pool);
     EXPECT_LE(test::rel_err(y->download(), ref), kTol);
+  }
+}
+
+// q, k and v in one launch of the split tiled kernel: the parts of a row block belong to one job.
+TEST(CudaOps, ThreeJobsSplitOverClusters) {
+  std::mt19937 rng(8);
+  RandomLinear a(4096, 2048, WeightFormat::NVFP4, rng, true), b(512, 2048, WeightFormat::NVFP4, rng, true),
+      c(448, 2048, WeightFormat::NVFP4, rng, true);
+  const int B = 24;
+  const auto x = test::random_floats(size_t(B) * 2048, rng);
+  DeviceBuffer<float> dx(x), ya(size_t(B) * 4096), yb(size_t(B) * 512), yc(size_t(B) * 448);
+  ya.poison(), yb.poison(), yc.poison();
+  const cuda::LinearJob jobs[3] = {{a.dev, ya.get()}, {b.dev, yb.get()}, {c.dev, yc.get()}};
+  cuda::launch_linear(jobs, 3, dx.get(), B, false, nullptr);
+  ThreadPool pool(1);
+  for (auto [w, y] : {std::pair{&a, &ya}, std::pair{&b, &yb}, std::pair{&c, &yc}}) {
+    std::vector<float> ref(size_t(B) * w->host.out);
+    cpu::linear(w->host, x.data(), B, ref.data(), pool);
+    EXPECT_LE(test::rel_err(y->download(), ref), kTol) << w->host.out << " rows";
   }
 }
 

@@ -1,4 +1,7 @@
+#include <cooperative_groups.h>
+
 #include <algorithm>
+#include <array>
 #include <type_traits>
 
 #include "backend/cuda/check.h"
@@ -157,35 +160,43 @@ __global__ void __launch_bounds__(kWarps * 32, 2) mma_linear_wide_kernel(Jobs jo
   store_tile<G>(W, jobs.j[jb].y + size_t(t0) * W.out, r0, lane, nb, acc, accumulate);
 }
 
-// 9..64 tokens, tiled: a block holds kWarps tiles of 16 rows (128 rows) and G groups of 8 tokens,
-// and every warp walks all chunks of its tile. The activations of a chunk are loaded once per
+// 8..64 tokens, tiled: a block holds kWarps tiles of 16 rows (128 rows) and G groups of 8 tokens,
+// and every warp walks the chunks of its tile. The activations of a chunk are loaded once per
 // block and split into FP16 hi + lo fragments (x_split) in shared memory by the first G warps,
 // one group each, then read by all kWarps warps: the wide kernel's blocks each read the whole
 // activation matrix for 16 rows. Loads run ahead of their use: each warp keeps the raw weights of
 // the next D chunks in registers, and the activations of the next chunk are loaded one chunk
-// before they are split (two register sets, by chunk parity). Numerically identical to the wide
-// kernel (same fragments, same k order, one warp per tile).
+// before they are split (two register sets, by chunk parity).
+// Matrices of too few 128-row blocks to give every SM one (q/k/v, o) are split along K over a
+// cluster of `parts` blocks (blockIdx.x = row block * parts + part, part = the cluster rank): part
+// p walks chunks [p C / parts, (p + 1) C / parts), and the parts' accumulators are added in part
+// order through the cluster's shared memory, so the result does not depend on scheduling. With
+// one part it is numerically the wide kernel (same fragments, same k order, one warp per tile).
 template <int G, bool kFp4>
 __global__ void __launch_bounds__(kWarps * 32, 1) mma_linear_tiled_kernel(Jobs jobs, const float* __restrict__ x,
-                                                                         int nb, int accumulate) {
+                                                                         int nb, int accumulate, int parts) {
   constexpr int D = kFp4 ? 4 : 2;  // weight chunks in flight per warp (even: see the parity below)
   using Raw = std::conditional_t<kFp4, Nvfp4Raw, Bf16Raw>;
-  __shared__ uint32_t xs[2][G][16][32];  // [buffer][group][fragment word][lane]
+  // [buffer][group][fragment word][lane]; after the chunk loop, [warp][4 G][lane] partial sums.
+  __shared__ uint32_t xs[2][G][16][32];
+  static_assert(sizeof(xs) == kWarps * 4 * G * 32 * sizeof(float), "the partial sums reuse xs");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int blk = blockIdx.x, jb = 0;
+  const int part = int(blockIdx.x) % parts;
+  int blk = int(blockIdx.x) / parts, jb = 0;
   while (blk >= jobs.blocks[jb]) blk -= jobs.blocks[jb++];
   const DLinear& W = jobs.j[jb].w;
   const int r0 = (blk * kWarps + warp) * 16, t0 = int(blockIdx.y) * 8 * G;
   const int g = lane >> 2, j = lane & 3, C = W.in / 64;
+  const int cb = part * C / parts, n = (part + 1) * C / parts - cb;  // this part's chunks: cb .. cb + n - 1
   const int ra = min(r0 + g, W.out - 1), rb = min(r0 + g + 8, W.out - 1);
   auto raw = [&](int c) {
     if constexpr (kFp4) return nvfp4_raw(W, ra, rb, c, j);
     else return bf16_raw(W, ra, rb, c, j);
   };
-  Raw ring[D];  // chunk c's bytes in ring[c % D]: weights do not depend on the previous kernel
+  Raw ring[D];  // local chunk l's bytes in ring[l % D]: weights do not depend on the previous kernel
   #pragma unroll
   for (int i = 0; i < D; ++i)
-    if (i < C) ring[i] = raw(i);
+    if (i < n) ring[i] = raw(cb + i);
   pdl_enter();
   const bool producer = warp < G;
   const int token = t0 + 8 * warp + g;  // the token whose activations this lane stages
@@ -200,24 +211,24 @@ __global__ void __launch_bounds__(kWarps * 32, 1) mma_linear_tiled_kernel(Jobs j
         xs[buf][warp][4 * t + 2 * h + 1][lane] = xf.lo[t][h];
       }
   };
-  float xr[2][16];  // activations of chunks of parity 0 and 1, loaded ahead
-  if (producer) {
-    x_load(xg, 0, j, xr[0]);
+  float xr[2][16];  // activations of local chunks of parity 0 and 1, loaded ahead
+  if (producer && n > 0) {
+    x_load(xg, cb, j, xr[0]);
     stage(xr[0], 0);
-    if (C > 1) x_load(xg, 1, j, xr[1]);
+    if (n > 1) x_load(xg, cb + 1, j, xr[1]);
   }
   __syncthreads();
   float acc[G][4];
   #pragma unroll
   for (int q = 0; q < G; ++q) acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = 0.0f;
-  for (int c0 = 0; c0 < C; c0 += D) {
+  for (int l0 = 0; l0 < n; l0 += D) {
     #pragma unroll
     for (int i = 0; i < D; ++i) {
-      const int c = c0 + i, p = i & 1;  // c0 is a multiple of D (even): c % 2 == p
-      if (c >= C) break;  // C is the same for the whole block
-      if (producer && c + 2 < C) x_load(xg, c + 2, j, xr[p]);  // chunk c was staged an iteration ago
+      const int l = l0 + i, c = cb + l, p = i & 1;  // l0 is a multiple of D (even): l % 2 == p
+      if (l >= n) break;  // n is the same for the whole block
+      if (producer && l + 2 < n) x_load(xg, c + 2, j, xr[p]);  // chunk c was staged an iteration ago
       const AFrag A = a_frag_of(ring[i]);
-      if (c + D < C) ring[i] = raw(c + D);
+      if (l + D < n) ring[i] = raw(c + D);
       #pragma unroll
       for (int q = 0; q < G; ++q) {
         XFrag xf;
@@ -230,12 +241,37 @@ __global__ void __launch_bounds__(kWarps * 32, 1) mma_linear_tiled_kernel(Jobs j
           }
         mma_afrag(A, xf, acc[q]);
       }
-      if (producer && c + 1 < C) stage(xr[p ^ 1], p ^ 1);
+      if (producer && l + 1 < n) stage(xr[p ^ 1], p ^ 1);
       __syncthreads();
     }
   }
-  if (r0 >= W.out) return;
-  store_tile<G>(W, jobs.j[jb].y + size_t(t0) * W.out, r0, lane, nb - t0, acc, accumulate);
+  float* const y = jobs.j[jb].y + size_t(t0) * W.out;
+  if (parts == 1) {
+    if (r0 < W.out) store_tile<G>(W, y, r0, lane, nb - t0, acc, accumulate);
+    return;
+  }
+  // The loop ended with a barrier, so xs is free for the partial sums. Part p stores the tiles of
+  // the warps w with w % parts == p; every block stays until all have read its shared memory.
+  float* const red = reinterpret_cast<float*>(&xs[0][0][0][0]);
+  #pragma unroll
+  for (int q = 0; q < G; ++q)
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) red[(warp * 4 * G + 4 * q + i) * 32 + lane] = acc[q][i];
+  cluster_sync();
+  if (warp % parts == part && r0 < W.out) {
+    float sum[G][4];
+    #pragma unroll
+    for (int q = 0; q < G; ++q) sum[q][0] = sum[q][1] = sum[q][2] = sum[q][3] = 0.0f;
+    for (int k = 0; k < parts; ++k) {
+      const float* rk = cooperative_groups::this_cluster().map_shared_rank(red, k);
+      #pragma unroll
+      for (int q = 0; q < G; ++q)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) sum[q][i] += rk[(warp * 4 * G + 4 * q + i) * 32 + lane];
+    }
+    store_tile<G>(W, y, r0, lane, nb - t0, sum, accumulate);
+  }
+  cluster_sync();
 }
 
 template <int B>
@@ -353,10 +389,11 @@ int linear_fill() {
 }
 
 // Passes of at least this many tokens take the tiled kernel for large matrices whose jobs share
-// one format (KESTREL_LINEAR_TILED: 0 never, else the smallest pass, for A/B runs; default 9).
+// one format (KESTREL_LINEAR_TILED: 0 never, else the smallest pass, for A/B runs). Measured on
+// Qwen3-30B-A3B shapes with K split (docs/PERF.md v21): batch 8 -1.8% per step, batch 4 +6%.
 int linear_tiled_min() {
   static const int v = [] {
-    const int n = env_int("KESTREL_LINEAR_TILED", 9);
+    const int n = env_int("KESTREL_LINEAR_TILED", 8);
     return n <= 0 ? 1 << 30 : n;
   }();
   return v;
@@ -369,6 +406,63 @@ int groups_per_block(int nb, int blocks, int min_blocks) {
   int G = groups > 4 ? 8 : groups > 2 ? 4 : groups;
   while (G > 1 && blocks * ((groups + G - 1) / G) < min_blocks) G /= 2;
   return G;
+}
+
+// Whether tiled passes may split K over a cluster (KESTREL_LINEAR_SPLIT=0: never, for A/B runs).
+bool linear_split() {
+  static const bool v = env_switch("KESTREL_LINEAR_SPLIT");
+  return v;
+}
+
+// The tiled kernel's shape for a pass: G groups of 8 tokens per block and K in `parts` parts (a
+// cluster), or G = 0 where the wide kernel is the better choice.
+struct TiledPlan {
+  int G = 0, parts = 1;
+};
+
+// Clusters of `parts` tiled blocks the GPU holds at once (one block per SM, for registers; a
+// cluster's blocks share a GPC, so this is below sm_count() / parts), 0 for parts of 1 or over 8.
+int tiled_clusters(int parts) {
+  static const std::array<int, 9> most = [] {
+    std::array<int, 9> n{};
+    const auto kernel = mma_linear_tiled_kernel<8, true>;
+    if (max_cluster_blocks(kernel, dim3(kWarps * 32), 0) < 8) return n;
+    for (int p = 2; p <= 8; ++p) {
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(unsigned(p));
+      cfg.blockDim = dim3(kWarps * 32);
+      cudaLaunchAttribute attr;
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim.x = unsigned(p), attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+      cfg.attrs = &attr, cfg.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&n[size_t(p)], kernel, &cfg) != cudaSuccess) {
+        (void)cudaGetLastError();
+        n[size_t(p)] = 0;
+      }
+    }
+    return n;
+  }();
+  return parts >= 2 && parts <= 8 ? most[size_t(parts)] : 0;
+}
+
+// The kernel holds one block per SM, so a grid of more than one wave runs in rounds. Whole rows
+// per block where the 128-row blocks alone give every SM one (the LM head); else the most groups
+// per block (each chunk dequantized once for them) whose grid, K split into the most parts (at
+// most the chunks) whose clusters all fit at once, fills at least 60% of the SMs. A cluster left
+// for a second wave doubles the time (Nsight Compute: 40 clusters of 3 where 39 fit). Small
+// matrices find no plan and keep the wide kernel, as do all where the split is off.
+TiledPlan tiled_plan(int row_blocks, int groups, int chunks) {
+  const int sm = sm_count();
+  const int G0 = groups > 4 ? 8 : groups > 2 ? 4 : groups;
+  if (row_blocks >= sm) return {groups_per_block(groups * 8, row_blocks, (linear_fill() * sm + 1) / 2), 1};
+  if (!linear_split()) return {};
+  for (int G = G0; G >= 1; G /= 2) {
+    const int clusters = row_blocks * ((groups + G - 1) / G);
+    for (int parts = std::min(8, chunks); parts >= 2; --parts)
+      if (clusters <= tiled_clusters(parts) && 10 * clusters * parts >= 6 * sm) return {G, parts};
+    if (linear_fill() == 0) break;  // every group of a pass in one block row
+  }
+  return {};
 }
 
 // f(std::integral_constant<int, G>) for G = 1, 2, 4 or 8.
@@ -442,18 +536,16 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
     };
     const int acc = accumulate ? 1 : 0;
     const int groups = (nb + 7) / 8;
-    // Tiled only where its 128-row blocks alone give every SM one: with fewer, its chunk loop
-    // (a barrier per chunk, one block per SM) is slower than the wide kernel (docs/PERF.md v15).
     const bool tiled = mma && nb >= linear_tiled_min() && (fp4 || bf16);
     const Jobs Jt = tiled ? jobs_for(16, true) : Jobs{};
-    if (tiled && Jt.blocks_total >= sm_count()) {
-      // Token groups spread over block rows below linear_fill() / 2 blocks per SM (one block per
-      // SM fits, for registers), as the wide kernel's below linear_fill().
-      const int G = groups_per_block(nb, Jt.blocks_total, (linear_fill() * sm_count() + 1) / 2);
-      const dim3 grid(unsigned(Jt.blocks_total), unsigned((groups + G - 1) / G)), block(kWarps * 32);
-      by_groups(G, [&](auto g) {
-        if (fp4) launch(mma_linear_tiled_kernel<g(), true>, grid, block, 0, s, Jt, xb, nb, acc);
-        else launch(mma_linear_tiled_kernel<g(), false>, grid, block, 0, s, Jt, xb, nb, acc);
+    const TiledPlan plan = tiled ? tiled_plan(Jt.blocks_total, groups, jobs[0].w.in / 64) : TiledPlan{};
+    if (plan.G > 0) {
+      const dim3 grid(unsigned(Jt.blocks_total * plan.parts), unsigned((groups + plan.G - 1) / plan.G)),
+          block(kWarps * 32), cluster(unsigned(plan.parts));
+      by_groups(plan.G, [&](auto g) {
+        const auto kernel = fp4 ? mma_linear_tiled_kernel<g(), true> : mma_linear_tiled_kernel<g(), false>;
+        if (plan.parts > 1) launch_cluster(kernel, grid, cluster, block, 0, s, Jt, xb, nb, acc, plan.parts);
+        else launch(kernel, grid, block, 0, s, Jt, xb, nb, acc, 1);
       });
     } else if (mma) {
       // Fewer groups per block, in more block rows, where the tiles alone give under two blocks
