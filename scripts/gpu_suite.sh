@@ -158,6 +158,9 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     --context 1024 --steps 50
   KESTREL_ATT_QK=0 bench glm-4.5-air-qk-kernel --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,8 \
     --context 1024 --steps 30
+  # q/k/v and o on the wide kernel instead of the tiled one with K split over clusters.
+  KESTREL_LINEAR_SPLIT=0 bench qwen3-30b-a3b-no-split --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
+    --batch 8,16,32,64 --context 1024 --steps 50
   KESTREL_PDL=0 bench qwen3-30b-a3b-no-pdl --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 50
   bench glm-4.5-air --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 30
   # MLA models are larger than one GPU: slices of 5 and 9 layers (3 dense + 2 or 6 MoE); the
