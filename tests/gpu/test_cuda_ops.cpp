@@ -108,7 +108,9 @@ TEST_P(LinearTest, MatchesCpu) {
   dy.poison();
   const cuda::LinearJob job{W.dev, dy.get()};
   cuda::launch_linear(&job, 1, dx.get(), p.batch, false, nullptr);
-  EXPECT_LE(test::rel_err(dy.download(), ref), kTol);
+  const double err = test::rel_err(dy.download(), ref);
+  EXPECT_LE(err, kTol);
+  std::printf("  linear %d x %d, %d tokens: rel err %.2e vs cpu\n", p.out, p.in, p.batch, err);
 
   // Accumulate mode adds onto what is there.
   const auto base = test::random_floats(ref.size(), rng);

@@ -170,8 +170,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) mma_linear_wide_kernel(Jobs jo
 // Matrices of too few 128-row blocks to give every SM one (q/k/v, o) are split along K over a
 // cluster of `parts` blocks (blockIdx.x = row block * parts + part, part = the cluster rank): part
 // p walks chunks [p C / parts, (p + 1) C / parts), and the parts' accumulators are added in part
-// order through the cluster's shared memory, so the result does not depend on scheduling. With
-// one part it is numerically the wide kernel (same fragments, same k order, one warp per tile).
+// order through the cluster's shared memory, so the result does not depend on scheduling.
 template <int G, bool kFp4>
 __global__ void __launch_bounds__(kWarps * 32, 1) mma_linear_tiled_kernel(Jobs jobs, const float* __restrict__ x,
                                                                          int nb, int accumulate, int parts) {
@@ -218,10 +217,14 @@ __global__ void __launch_bounds__(kWarps * 32, 1) mma_linear_tiled_kernel(Jobs j
     if (n > 1) x_load(xg, cb + 1, j, xr[1]);
   }
   __syncthreads();
-  float acc[G][4];
+  // The tensor core's accumulators take D chunks, then are added into acc: long chains of MMAs
+  // into one accumulator measured 2-3x the error of the wide kernel's 4-chunk chains.
+  float acc[G][4], mma_acc[G][4];
   #pragma unroll
   for (int q = 0; q < G; ++q) acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = 0.0f;
   for (int l0 = 0; l0 < n; l0 += D) {
+    #pragma unroll
+    for (int q = 0; q < G; ++q) mma_acc[q][0] = mma_acc[q][1] = mma_acc[q][2] = mma_acc[q][3] = 0.0f;
     #pragma unroll
     for (int i = 0; i < D; ++i) {
       const int l = l0 + i, c = cb + l, p = i & 1;  // l0 is a multiple of D (even): l % 2 == p
@@ -239,11 +242,15 @@ __global__ void __launch_bounds__(kWarps * 32, 1) mma_linear_tiled_kernel(Jobs j
             xf.hi[t][h] = xs[p][q][4 * t + 2 * h][lane];
             xf.lo[t][h] = xs[p][q][4 * t + 2 * h + 1][lane];
           }
-        mma_afrag(A, xf, acc[q]);
+        mma_afrag(A, xf, mma_acc[q]);
       }
       if (producer && l + 1 < n) stage(xr[p ^ 1], p ^ 1);
       __syncthreads();
     }
+    #pragma unroll
+    for (int q = 0; q < G; ++q)
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) acc[q][i] += mma_acc[q][i];
   }
   float* const y = jobs.j[jb].y + size_t(t0) * W.out;
   if (parts == 1) {
