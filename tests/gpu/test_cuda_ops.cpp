@@ -179,32 +179,11 @@ TEST(CudaOps, LinearWithNormMatchesCpu) {
   }
 }
 
-TEST(CudaOps, ThreeJobsInOneLaunch) {
-  std::mt19937 rng(7);
-  RandomLinear a(128, 256, WeightFormat::NVFP4, rng, true), b(32, 256, WeightFormat::NVFP4, rng, true),
-      c(32, 256, WeightFormat::BF16, rng, true);
-  const int B = 2;
-  const auto x = test::random_floats(size_t(B) * 256, rng);
-  DeviceBuffer<float> dx(x), ya(size_t(B) * 128), yb(size_t(B) * 32), yc(size_t(B) * 32);
-  ya.poison(), yb.poison(), yc.poison();
-  const cuda::LinearJob jobs[3] = {{a.dev, ya.get()}, {b.dev, yb.get()}, {c.dev, yc.get()}};
-  cuda::launch_linear(jobs, 3, dx.get(), B, false, nullptr);
-  ThreadPool pool(1);
-  for (auto [w, y] : {std::pair{&a, &ya}, std::pair{&b, &yb}, std::pair{&c, &yc}}) {
-    std::vector<float> ref(size_t(B) * w->host.out);
-    cpu::linear(w->host, x.data(), B, ref.data(), pool);
-    EXPECT_LE(test::rel_err(y->download(), ref), kTol);
-  }
-}
-
-// q, k and v in one launch of the split tiled kernel: the parts of a row block belong to one job.
-TEST(CudaOps, ThreeJobsSplitOverClusters) {
-  std::mt19937 rng(8);
-  RandomLinear a(4096, 2048, WeightFormat::NVFP4, rng, true), b(512, 2048, WeightFormat::NVFP4, rng, true),
-      c(448, 2048, WeightFormat::NVFP4, rng, true);
-  const int B = 24;
-  const auto x = test::random_floats(size_t(B) * 2048, rng);
-  DeviceBuffer<float> dx(x), ya(size_t(B) * 4096), yb(size_t(B) * 512), yc(size_t(B) * 448);
+// Three matrices over the same input in one launch_linear of B tokens (q, k and v), each against the CPU.
+void check_three_jobs(RandomLinear& a, RandomLinear& b, RandomLinear& c, int B, std::mt19937& rng) {
+  const int in = a.host.in;
+  const auto x = test::random_floats(size_t(B) * in, rng);
+  DeviceBuffer<float> dx(x), ya(size_t(B) * a.host.out), yb(size_t(B) * b.host.out), yc(size_t(B) * c.host.out);
   ya.poison(), yb.poison(), yc.poison();
   const cuda::LinearJob jobs[3] = {{a.dev, ya.get()}, {b.dev, yb.get()}, {c.dev, yc.get()}};
   cuda::launch_linear(jobs, 3, dx.get(), B, false, nullptr);
@@ -214,6 +193,21 @@ TEST(CudaOps, ThreeJobsSplitOverClusters) {
     cpu::linear(w->host, x.data(), B, ref.data(), pool);
     EXPECT_LE(test::rel_err(y->download(), ref), kTol) << w->host.out << " rows";
   }
+}
+
+TEST(CudaOps, ThreeJobsInOneLaunch) {
+  std::mt19937 rng(7);
+  RandomLinear a(128, 256, WeightFormat::NVFP4, rng, true), b(32, 256, WeightFormat::NVFP4, rng, true),
+      c(32, 256, WeightFormat::BF16, rng, true);
+  check_three_jobs(a, b, c, 2, rng);
+}
+
+// q, k and v in one launch of the split tiled kernel: the parts of a row block belong to one job.
+TEST(CudaOps, ThreeJobsSplitOverClusters) {
+  std::mt19937 rng(8);
+  RandomLinear a(4096, 2048, WeightFormat::NVFP4, rng, true), b(512, 2048, WeightFormat::NVFP4, rng, true),
+      c(448, 2048, WeightFormat::NVFP4, rng, true);
+  check_three_jobs(a, b, c, 24, rng);
 }
 
 // CUDA cores (1 token, K % 64 != 0) and tensor cores (2..32 tokens per pass: 1, 2 or 4 groups

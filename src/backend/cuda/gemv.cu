@@ -432,21 +432,8 @@ struct TiledPlan {
 int tiled_clusters(int parts) {
   static const std::array<int, 9> most = [] {
     std::array<int, 9> n{};
-    const auto kernel = mma_linear_tiled_kernel<8, true>;
-    if (max_cluster_blocks(kernel, dim3(kWarps * 32), 0) < 8) return n;
-    for (int p = 2; p <= 8; ++p) {
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(unsigned(p));
-      cfg.blockDim = dim3(kWarps * 32);
-      cudaLaunchAttribute attr;
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = unsigned(p), attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-      cfg.attrs = &attr, cfg.numAttrs = 1;
-      if (cudaOccupancyMaxActiveClusters(&n[size_t(p)], kernel, &cfg) != cudaSuccess) {
-        (void)cudaGetLastError();
-        n[size_t(p)] = 0;
-      }
-    }
+    for (int p = 2; p <= std::min(8, cluster_limit()); ++p)
+      n[size_t(p)] = active_clusters(mma_linear_tiled_kernel<8, true>, dim3(kWarps * 32), 0, p);
     return n;
   }();
   return parts >= 2 && parts <= 8 ? most[size_t(parts)] : 0;

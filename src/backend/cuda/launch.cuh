@@ -150,6 +150,26 @@ int max_cluster_blocks(void (*kernel)(KArgs...), dim3 block, size_t smem) {
   return n;
 }
 
+// Clusters of `size` blocks of `kernel` (launched with `block` threads and `smem` bytes of dynamic
+// shared memory) the device holds at once; 0 where it cannot launch them (below Hopper).
+template <typename... KArgs>
+int active_clusters(void (*kernel)(KArgs...), dim3 block, size_t smem, int size) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(size));
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = unsigned(size), attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr, cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
 // The cluster barrier in two halves: arrive (no ordering) early, and wait before the first store
 // into another block's shared memory, which is allowed only once every block has started.
 __device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
