@@ -34,6 +34,8 @@ if [ -z "${GTEST_FILTER:-}" ]; then
   rerun gpu_tests_fill0.log '*LinearTest*:CudaOps.ThreeJobs*' KESTREL_LINEAR_FILL=0
   # And with K never split over clusters (those shapes then take the wide kernel).
   rerun gpu_tests_nosplit.log '*LinearTest*:CudaOps.ThreeJobs*' KESTREL_LINEAR_SPLIT=0
+  # The expert-grouped kernels splitting the activations per tile instead of taking fragment rows.
+  rerun gpu_tests_nofrag.log 'CudaOps.Moe*:CudaModel*' KESTREL_MOE_FRAG=0
   # With several GPUs, the split tests on one of them: the split code path with one rank.
   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     rerun gpu_tests_one_gpu.log '*Split*:RankGroup*:CudaCommOneRank*' CUDA_VISIBLE_DEVICES=0
@@ -161,6 +163,8 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   # q/k/v and o on the wide kernel instead of the tiled one with K split over clusters.
   KESTREL_LINEAR_SPLIT=0 bench qwen3-30b-a3b-no-split --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
     --batch 8,16,32,64 --context 1024 --steps 50
+  KESTREL_MOE_FRAG=0 bench qwen3-30b-a3b-no-frag --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
+    --batch 4,8,16,32,64 --context 1024 --steps 50
   KESTREL_PDL=0 bench qwen3-30b-a3b-no-pdl --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 50
   bench glm-4.5-air --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 30
   # MLA models are larger than one GPU: slices of 5 and 9 layers (3 dense + 2 or 6 MoE); the
@@ -191,6 +195,8 @@ printf "tests: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$
   printf "linear tests, groups in one block row: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests_fill0.log" | tr '\n' ' ')"
 [ -f "$OUT/gpu_tests_nosplit.log" ] &&
   printf "linear tests, K never split: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests_nosplit.log" | tr '\n' ' ')"
+[ -f "$OUT/gpu_tests_nofrag.log" ] &&
+  printf "MoE and model tests, activations split per tile: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests_nofrag.log" | tr '\n' ' ')"
 [ -f "$OUT/gpu_tests_one_gpu.log" ] &&
   printf "split tests on one GPU: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests_one_gpu.log" | tr '\n' ' ')"
 grep -h "random Qwen3" "$OUT/gpu_tests.log" || true

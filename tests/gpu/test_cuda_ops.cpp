@@ -407,7 +407,10 @@ TEST(CudaOps, RoutingWithNormMatchesCpu) {
 // tokens span several groups of 8; 512 wide, few experts: tiles split over up to 4 warps); fewer
 // tokens the per-slot kernels, whose down projection at one token runs on tensor cores when the
 // down matrices are NVFP4 with widths that are multiples of 128 (640: its 5 chunks split into
-// parts of 3 and 2; a shared expert twice as wide: two rounds of loads per part).
+// parts of 3 and 2; a shared expert twice as wide: two rounds of loads per part). The grouped
+// kernels take NVFP4 matrices whose inputs are multiples of 128 wide in fragment rows (slot_mma.cuh):
+// gate/up of 128-, 256-, 512- and 640-wide inputs, down of 128-, 512-, 640- and 1024-wide ones
+// (the suite reruns this test with KESTREL_MOE_FRAG=0).
 struct MoeCase {
   int H, I;
   WeightFormat f;
@@ -485,8 +488,10 @@ TEST(CudaOps, MoeMatchesCpu) {
         DeviceBuffer<float> sw(size_t(B) * K), sa(size_t(B) * (K + 1) * A), sl(size_t(B) * E);
         DeviceBuffer<float> so(size_t(B) * (K + 1) * H);
         DeviceBuffer<uint32_t> done(std::vector<uint32_t>(size_t(cuda::route_chunks(B)), 0));
-        sa.poison(), so.poison();
-        cuda::MoeScratch s{se.get(), sw.get(), sa.get(), A, sl.get(), done.get(), so.get()};
+        DeviceBuffer<uint32_t> sxf(size_t(B) * H);
+        sa.poison(), so.poison(), sxf.poison();
+        // At 8 tokens without fragment rows of x: each tile splits it, the down side may still take fragments.
+        cuda::MoeScratch s{se.get(), sw.get(), sa.get(), A, sl.get(), done.get(), so.get(), B == 8 ? nullptr : sxf.get()};
         cuda::launch_moe(ep ? half : dm, dx.get(), B, dr.get(), s, nullptr);
         std::vector<float> got = dr.download();
         const std::string what = std::string(format_name(mc.f)) + " " + std::to_string(H) + "x" + std::to_string(I) +

@@ -197,7 +197,10 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
     const size_t chunks = size_t(route_chunks(max_batch));
     moe_.route_done = buffer<uint32_t>(chunks);
     KESTREL_CUDA_CHECK(cudaMemset(moe_.route_done, 0, chunks * sizeof(uint32_t)));
-    if (B >= 2) moe_.out = buffer<float>(slots * H);  // the expert-grouped kernels (KESTREL_MOE_GROUPED_MIN_BATCH)
+    if (B >= 2) {  // the expert-grouped kernels (KESTREL_MOE_GROUPED_MIN_BATCH)
+      moe_.out = buffer<float>(slots * H);
+      moe_.xf = buffer<uint32_t>(B * H);
+    }
   }
   guard.done = true;
 }

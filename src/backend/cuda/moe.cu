@@ -264,14 +264,26 @@ __device__ bool find_group(const DMoe& m, int batch, const int32_t* __restrict__
   return g.expert >= 0;
 }
 
+// Lane g's token row of a group of 8 starting at t0: the g-th, or past the group's count its
+// first, whose columns are computed and dropped.
+__device__ __forceinline__ int group_slot(const Group& grp, int t0, int g) {
+  return grp.slots[t0 + g < grp.count ? t0 + g : t0];
+}
+
 // Grid: (row blocks, 1 + min(local experts, batch * top_k)). A block holds kGroupWarps / ks tiles of 16
-// gate rows and the same up rows; the ks warps of a tile take its 64-weight chunks in turn (ks is
-// chosen by the host so that the grid fills the GPU: 1 when many experts are selected, so each
-// warp streams whole rows and the block's set-up is paid once for 64 rows). Each group of 8
-// tokens of the expert is one pass over the block's weights (from L2 after the first).
+// gate rows and the same up rows; the ks warps of a tile take its chunks in turn (ks is chosen by
+// the host so that the grid fills the GPU: 1 when many experts are selected, so each warp streams
+// whole rows and the block's set-up is paid once for 64 rows). Each group of 8 tokens of the
+// expert is one pass over the block's weights (from L2 after the first).
+// Frag: NVFP4 experts take x as fragment rows xf (split once per layer by frag_rows_kernel) in
+// 128-weight chunks (slot_mma.cuh); otherwise each tile splits x per 64-weight chunk (mma_tiles.cuh).
+// frag_act: act receives fragment rows for grouped_down_kernel<true>.
+template <bool Frag>
 __global__ void __launch_bounds__(kGroupWarps * 32) grouped_gate_up_kernel(DMoe m, int batch, const float* __restrict__ x,
+                                                                      const uint32_t* __restrict__ xf,
                                                                       const int32_t* __restrict__ experts,
-                                                                      float* __restrict__ act, int act_stride, int ks) {
+                                                                      float* __restrict__ act, int act_stride, int ks,
+                                                                      int frag_act) {
   __shared__ Group grp;
   __shared__ float red[kGroupWarps][32][8];
   pdl_enter();
@@ -287,22 +299,34 @@ __global__ void __launch_bounds__(kGroupWarps * 32) grouped_gate_up_kernel(DMoe 
   const int ra = min(r0 + g, G.out - 1), rb = min(r0 + g + 8, G.out - 1);
   const bool fp4 = G.format == DFormat::NVFP4;
   for (int t0 = 0; t0 < grp.count; t0 += 8) {
-    const int slot = t0 + g < grp.count ? grp.slots[t0 + g] : -1;
-    const float* xg = slot < 0 ? nullptr : x + size_t(sh ? slot - batch * K : slot / K) * G.in;
-    float ag[4] = {0.0f, 0.0f, 0.0f, 0.0f}, au[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (r0 < G.out) {
+    float acc[2][4] = {};  // gate, up
+    float(&ag)[4] = acc[0];
+    float(&au)[4] = acc[1];
+    if constexpr (Frag) {
+      const int slot = group_slot(grp, t0, g);
+      const uint32_t* xr = xf + size_t(sh ? slot - batch * K : slot / K) * G.in;
+      if (r0 < G.out) {
+        #pragma unroll 2
+        for (int c = wk; c < G.in / kFragChunk; c += ks) {
+          const SlotChunk ch[2] = {slot_chunk_load(G, ra, rb, c, j), slot_chunk_load(U, ra, rb, c, j)};
+          slot_chunks_mma<2>(ch, xr, c, j, acc);
+        }
+      }
+    } else if (r0 < G.out) {
+      const int slot = t0 + g < grp.count ? grp.slots[t0 + g] : -1;
+      const float* xg = slot < 0 ? nullptr : x + size_t(sh ? slot - batch * K : slot / K) * G.in;
       if (fp4) {
         #pragma unroll 4
         for (int c = wk; c < G.in / 64; c += ks) {
-          const XFrag xf = x_frag<true>(xg, c, j);
-          nvfp4_mma_chunk(G, ra, rb, xf, c, j, ag);
-          nvfp4_mma_chunk(U, ra, rb, xf, c, j, au);
+          const XFrag xc = x_frag<true>(xg, c, j);
+          nvfp4_mma_chunk(G, ra, rb, xc, c, j, ag);
+          nvfp4_mma_chunk(U, ra, rb, xc, c, j, au);
         }
       } else {
         for (int c = wk; c < G.in / 64; c += ks) {
-          const XFrag xf = x_frag<false>(xg, c, j);
-          bf16_mma_chunk(G, ra, rb, xf, c, j, ag);
-          bf16_mma_chunk(U, ra, rb, xf, c, j, au);
+          const XFrag xc = x_frag<false>(xg, c, j);
+          bf16_mma_chunk(G, ra, rb, xc, c, j, ag);
+          bf16_mma_chunk(U, ra, rb, xc, c, j, au);
         }
       }
     }
@@ -327,7 +351,9 @@ __global__ void __launch_bounds__(kGroupWarps * 32) grouped_gate_up_kernel(DMoe 
           if (t >= grp.count) continue;
           const float gv = ag[2 * h + q] * kg + (G.bias ? G.bias[row] : 0.0f);
           const float uv = au[2 * h + q] * ku + (U.bias ? U.bias[row] : 0.0f);
-          act[size_t(grp.slots[t]) * act_stride + row] = gv / (1.0f + __expf(-gv)) * uv;
+          const float y = gv / (1.0f + __expf(-gv)) * uv;
+          if (frag_act) frag_store(reinterpret_cast<uint32_t*>(act) + size_t(grp.slots[t]) * act_stride, row, y);
+          else act[size_t(grp.slots[t]) * act_stride + row] = y;
         }
       }
     }
@@ -336,6 +362,8 @@ __global__ void __launch_bounds__(kGroupWarps * 32) grouped_gate_up_kernel(DMoe 
 }
 
 // Grid: (row blocks over hidden, as above). out[slot] = weight(slot) x down(act[slot]).
+// Frag: act holds fragment rows (grouped_gate_up_kernel's frag_act) and the chunks are 128 weights.
+template <bool Frag>
 __global__ void __launch_bounds__(kGroupWarps * 32) grouped_down_kernel(DMoe m, int batch, const int32_t* __restrict__ experts,
                                                                    const float* __restrict__ weights,
                                                                    const float* __restrict__ act, int act_stride,
@@ -352,9 +380,15 @@ __global__ void __launch_bounds__(kGroupWarps * 32) grouped_down_kernel(DMoe m, 
   const int g = lane >> 2, j = lane & 3;
   const int ra = min(r0 + g, D.out - 1), rb = min(r0 + g + 8, D.out - 1);
   for (int t0 = 0; t0 < grp.count; t0 += 8) {
-    const float* xg = t0 + g < grp.count ? act + size_t(grp.slots[t0 + g]) * act_stride : nullptr;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (r0 < D.out) {
+    if constexpr (Frag) {
+      const uint32_t* xr = reinterpret_cast<const uint32_t*>(act) + size_t(group_slot(grp, t0, g)) * act_stride;
+      if (r0 < D.out) {
+        #pragma unroll 4
+        for (int c = wk; c < D.in / kFragChunk; c += ks) slot_chunk_mma(slot_chunk_load(D, ra, rb, c, j), xr, c, j, acc);
+      }
+    } else if (r0 < D.out) {
+      const float* xg = t0 + g < grp.count ? act + size_t(grp.slots[t0 + g]) * act_stride : nullptr;
       #pragma unroll 4
       for (int c = wk; c < D.in / 64; c += ks) mma_chunk(D, ra, rb, xg, c, j, acc);
     }
@@ -387,6 +421,14 @@ __global__ void __launch_bounds__(kGroupWarps * 32) grouped_down_kernel(DMoe m, 
   }
 }
 
+// Rows [batch, n] of x as fragment rows (slot_mma.cuh) for grouped_gate_up_kernel<true>: the
+// split into FP16 hi + lo done once per layer instead of by every 16-row tile of every expert.
+__global__ void __launch_bounds__(256) frag_rows_kernel(const float* __restrict__ x, int n, uint32_t* __restrict__ xf) {
+  pdl_enter();
+  const int e = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
+  if (e < n) frag_store(xf + size_t(b) * n, e, x[size_t(b) * n + e]);
+}
+
 // residual[b] += the weighted outputs of token b's slots, in slot order (the shared expert last),
 // so the sum does not depend on how the grouped kernels were scheduled.
 __global__ void __launch_bounds__(256) slot_sum_kernel(DMoe m, int batch, const int32_t* __restrict__ experts,
@@ -409,6 +451,13 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(DMoe m, int batch, const 
 // serve one token, and a tensor-core tile then wastes 7 of its 8 columns), even at 4, ahead from 8.
 int grouped_min_batch() {
   static const int v = std::max(1, env_int("KESTREL_MOE_GROUPED_MIN_BATCH", 4));
+  return v;
+}
+
+// NVFP4 experts in the grouped kernels take activations split once into fragment rows
+// (KESTREL_MOE_FRAG=0: split by every tile per chunk, for A/B runs).
+bool moe_frag_enabled() {
+  static const bool v = env_switch("KESTREL_MOE_FRAG");
   return v;
 }
 
@@ -441,9 +490,11 @@ void describe_experts(DMoe& m, const std::vector<DLinear>& gate, const std::vect
     tc &= on_tensor_cores(gate[e]) && on_tensor_cores(up[e]) && on_tensor_cores(down[e]) &&
           gate[e].format == up[e].format;
   m.tensor_cores = tc ? 1 : 0;
-  bool sm = true;
+  bool sm = true, gu = true;
   for (const DLinear& d : down) sm &= slot_mma_fits(d);
+  for (size_t e = 0; e < gate.size(); ++e) gu &= slot_mma_fits(gate[e]) && slot_mma_fits(up[e]);
   m.slot_down_mma = sm ? 1 : 0;
+  m.frag_gate_up = gu ? 1 : 0;
 }
 
 void launch_moe(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s, cudaStream_t stream) {
@@ -462,35 +513,51 @@ int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual
                        (!m.has_shared || (on_tensor_cores(m.shared_gate) && on_tensor_cores(m.shared_up) &&
                                           on_tensor_cores(m.shared_down) && m.shared_gate.format == m.shared_up.format));
   if (grouped) {
+    // Fragment rows (slot_mma.cuh) in and out of gate/up where every matrix of that side takes them.
+    const bool frag = moe_frag_enabled();
+    const bool frag_in = frag && s.xf && m.frag_gate_up &&
+                         (!m.has_shared || (slot_mma_fits(m.shared_gate) && slot_mma_fits(m.shared_up)));
+    const bool frag_act = frag && m.slot_down_mma && (!m.has_shared || slot_mma_fits(m.shared_down));
     // Warps per tile: the fewest (longest rows per warp, least set-up per byte) that still give
-    // four blocks per SM for the experts uniform routing is expected to select.
+    // four blocks per SM for the experts uniform routing is expected to select, and each warp at
+    // least two chunks.
     const int E = m.local_experts;
     const double expected = E * (1.0 - std::pow(1.0 - double(m.router.top_k) / m.router.experts, batch)) + m.has_shared;
-    auto warps_per_tile = [&](int rows, int in) {
+    auto warps_per_tile = [&](int rows, int in, bool fragment) {
+      const int chunks = in / (fragment ? kFragChunk : 64);
       int ks = 1;
       auto blocks = [&](int k) { return expected * std::ceil(rows / (16.0 * kGroupWarps / k)); };
-      while (ks < kGroupWarps && 2 * ks <= in / 64 && blocks(ks) < 4.0 * sm_count()) ks *= 2;
+      while (ks < kGroupWarps && 2 * ks <= chunks && blocks(ks) < 4.0 * sm_count()) ks *= 2;
       return ks;
     };
     // Row blocks of the wider of the routed and the shared expert; extra blocks of the narrower exit.
     auto blocks_for = [](int rows, int ks) { return (rows + 16 * (kGroupWarps / ks) - 1) / (16 * (kGroupWarps / ks)); };
     const unsigned groups = unsigned(1 + std::min(E, batch * m.router.top_k));
     const int shared_w = m.has_shared ? m.shared_gate.out : 0;
-    const int ks_gu = warps_per_tile(std::max(m.width, shared_w), hidden);
-    const int ks_dn = warps_per_tile(hidden, std::min(m.width, m.has_shared ? m.shared_down.in : m.width));
+    const int ks_gu = warps_per_tile(std::max(m.width, shared_w), hidden, frag_in);
+    const int ks_dn = warps_per_tile(hidden, std::min(m.width, m.has_shared ? m.shared_down.in : m.width), frag_act);
+    int launches = 3;
+    if (frag_in) {
+      launch(frag_rows_kernel, dim3(unsigned((hidden + 255) / 256), unsigned(batch)), dim3(256), 0, stream, x, hidden,
+             s.xf);
+      KESTREL_CUDA_LAUNCHED();
+      ++launches;
+    }
     // Launched without PDL: with it (its blocks resident and waiting while the selection runs)
     // the step took 9.31 instead of 8.23 ms at batch 8 on Qwen3-30B-A3B shapes (docs/PERF.md v12);
     // PDL on the two kernels after it, and on the per-slot kernels, measured neutral.
-    launch_pdl(false, grouped_gate_up_kernel, dim3(unsigned(blocks_for(std::max(m.width, shared_w), ks_gu)), groups),
-           dim3(kGroupWarps * 32), 0, stream, m, batch, x, s.experts, s.act, s.act_stride, ks_gu);
+    launch_pdl(false, frag_in ? grouped_gate_up_kernel<true> : grouped_gate_up_kernel<false>,
+               dim3(unsigned(blocks_for(std::max(m.width, shared_w), ks_gu)), groups), dim3(kGroupWarps * 32), 0, stream,
+               m, batch, x, s.xf, s.experts, s.act, s.act_stride, ks_gu, frag_act ? 1 : 0);
     KESTREL_CUDA_LAUNCHED();
-    launch(grouped_down_kernel, dim3(unsigned(blocks_for(hidden, ks_dn)), groups), dim3(kGroupWarps * 32), 0, stream, m,
-           batch, s.experts, s.weights, s.act, s.act_stride, s.out, ks_dn);
+    launch(frag_act ? grouped_down_kernel<true> : grouped_down_kernel<false>,
+           dim3(unsigned(blocks_for(hidden, ks_dn)), groups), dim3(kGroupWarps * 32), 0, stream, m, batch, s.experts,
+           s.weights, s.act, s.act_stride, s.out, ks_dn);
     KESTREL_CUDA_LAUNCHED();
     launch(slot_sum_kernel, dim3(unsigned((hidden + 255) / 256), unsigned(batch)), dim3(256), 0, stream, m, batch,
            s.experts, s.out, residual);
     KESTREL_CUDA_LAUNCHED();
-    return 3;
+    return launches;
   }
   // Blocks cover the rows of the widest slot: a block holds (kWarps / ks) * kGateUpRows rows,
   // ks = warps_per_row, which is the same for every routed expert but may differ for the shared one.

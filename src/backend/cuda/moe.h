@@ -21,6 +21,7 @@ struct DMoe {
   DLinear expert_gate;            // expert 0's gate as the host sees it: shape and format of all experts' gates
   int tensor_cores = 0;           // every expert matrix is NVFP4 or BF16 with inputs a multiple of 64 wide
   int slot_down_mma = 0;          // every expert's down matrix is NVFP4 with inputs a multiple of 128 wide
+  int frag_gate_up = 0;           // so are every expert's gate and up matrices
   int width = 0;                  // expert intermediate size
   int first_expert = 0;           // an expert-parallel rank holds experts first_expert ..
   int local_experts = 0;          // .. first_expert + local_experts - 1; slots of others are skipped
@@ -28,7 +29,7 @@ struct DMoe {
   DLinear shared_gate, shared_up, shared_down;
 };
 
-// Sets m.expert_gate, m.tensor_cores and m.slot_down_mma from the local experts' matrices (host copies of the
+// Sets m.expert_gate, m.tensor_cores, m.slot_down_mma and m.frag_gate_up from the local experts' matrices (host copies of the
 // device arrays m.gate, m.up, m.down).
 void describe_experts(DMoe& m, const std::vector<DLinear>& gate, const std::vector<DLinear>& up,
                       const std::vector<DLinear>& down);
@@ -44,6 +45,8 @@ struct MoeScratch {
   uint32_t* route_done = nullptr;  // router chunk counters [route_chunks(B)], zeroed once: each launch leaves them 0
   float* out = nullptr;            // weighted down outputs of every slot [B * (top_k + shared), hidden]; with
                                    // it, batches of 4+ tokens take the expert-grouped tensor-core kernels
+  uint32_t* xf = nullptr;          // the input split into fragment rows [B, hidden] for the grouped kernels
+                                   // (m.frag_gate_up; null: each tile splits it)
 };
 
 // The experts after routing (s.experts, s.weights): gate/up of all slots, then down with the
@@ -52,7 +55,7 @@ struct MoeScratch {
 // each block, so every selected expert's weights (and the shared expert's) are read once for all
 // the tokens that chose it, on tensor cores; then the weighted outputs are added to the residual
 // in slot order.
-// Returns the number of kernels launched (2 per-slot, 3 grouped).
+// Returns the number of kernels launched (2 per-slot, 3 or 4 grouped).
 int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s,
                        cudaStream_t stream);
 

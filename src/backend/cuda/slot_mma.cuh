@@ -16,6 +16,10 @@
 // (4 registers per 8 weights: 8 copies of the same values per warp), 4x the L1 traffic per weight
 // of the CUDA-core kernels, whose x loads serve 8 rows. That is why gate/up stays on CUDA cores;
 // down wins (one wave of blocks where the CUDA-core kernel has 1.3).
+//
+// The expert-grouped kernels (moe.cu, 4+ tokens) take the same chunks with lane (g, j) passing
+// token g's fragment row, so that the 8 columns of B are 8 tokens: the activations split into
+// hi + lo once per layer instead of once per 16-row tile and chunk.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -28,14 +32,17 @@ constexpr int kFragChunk = 128;  // weights per chunk: 4 lanes x 32
 constexpr int kSlotChunks = 4;   // chunks whose loads a lane has in flight at once (2 rows: 128 bytes)
 
 // A fragment row of n values (n % 128 == 0) takes n 32-bit words, as many as the floats it
-// replaces: per chunk c and lane j, 8 k-steps of {hi b0, hi b1, lo b0, lo b1}.
+// replaces: per chunk c, 8 k-steps, each 4 lanes j x {hi b0, hi b1, lo b0, lo b1}, so that the
+// 4 lanes of a token read 64 contiguous bytes per k-step pair (lanes of 8 tokens: 8 segments per
+// load; with the lane's 8 k-steps contiguous instead, 32 lines per load made the grouped kernels
+// slower than splitting x per tile from 16 tokens on).
 
 // The 32-bit word of a fragment row that holds value e (hi part; the lo part is 2 words later),
 // and which half of it (0: low).
 __device__ __forceinline__ int frag_word(int e, int& half) {
   const int c = e >> 7, j = (e >> 5) & 3, q = e & 31, i = q >> 3, n = q & 7, m = n & 3;
   half = n >> 2;
-  return ((c * 4 + j) * 8 + 2 * i + (m >> 1)) * 4 + (m & 1);
+  return ((c * 8 + 2 * i + (m >> 1)) * 4 + j) * 4 + (m & 1);
 }
 
 // Stores value v as element e of the fragment row f.
@@ -77,30 +84,43 @@ __device__ __forceinline__ uint32_t word_of(const uint4& q, int i) {
   return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
 }
 
-// acc += chunk c of rows ra, rb times the fragment row xf: acc[0..1]
-// row ra, acc[2..3] row rb (the two columns of a lane are equal).
-__device__ __forceinline__ void slot_chunk_mma(const SlotChunk& r, const uint32_t* __restrict__ xf, int c, int j,
-                                               float (&acc)[4]) {
-  __half2 sa[2], sb[2];
-  scale_pair_h2(r.sa, sa[0], sa[1]);
-  scale_pair_h2(r.sb, sb[0], sb[1]);
-  const uint4* xb = reinterpret_cast<const uint4*>(xf) + (c * 4 + j) * 8;
+// acc[m] += chunk c of rows ra, rb of matrix m times the fragment row xf (M matrices, e.g. gate
+// and up, share each B fragment load): acc[m][0..1] row ra, acc[m][2..3] row rb, columns 2j and
+// 2j + 1. Every lane of the per-slot kernels passes the same row, so a lane's two columns are
+// equal; in the expert-grouped kernels lane (g, j) passes token g's row, so column n is token n.
+template <int M>
+__device__ __forceinline__ void slot_chunks_mma(const SlotChunk (&r)[M], const uint32_t* __restrict__ xf, int c, int j,
+                                                float (&acc)[M][4]) {
+  __half2 sa[M][2], sb[M][2];
+  #pragma unroll
+  for (int m = 0; m < M; ++m) scale_pair_h2(r[m].sa, sa[m][0], sa[m][1]), scale_pair_h2(r[m].sb, sb[m][0], sb[m][1]);
+  const uint4* xb = reinterpret_cast<const uint4*>(xf) + c * 32 + j;  // k-step s at xb[4 s]
   #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    uint32_t pa[4], pb[4];
+    uint32_t pa[M][4], pb[M][4];
     #pragma unroll
-    for (int t = 0; t < 4; ++t) pa[t] = e2m1_pair(word_of(r.qa, i), t), pb[t] = e2m1_pair(word_of(r.qb, i), t);
+    for (int m = 0; m < M; ++m)
+      #pragma unroll
+      for (int t = 0; t < 4; ++t) pa[m][t] = e2m1_pair(word_of(r[m].qa, i), t), pb[m][t] = e2m1_pair(word_of(r[m].qb, i), t);
     #pragma unroll
     for (int p = 0; p < 2; ++p) {
-      const uint4 b = xb[2 * i + p];
-      const uint32_t a[4] = {h2_bits(__hmul2(bits_h2(pa[2 * p]), sa[i >> 1])),
-                             h2_bits(__hmul2(bits_h2(pb[2 * p]), sb[i >> 1])),
-                             h2_bits(__hmul2(bits_h2(pa[2 * p + 1]), sa[i >> 1])),
-                             h2_bits(__hmul2(bits_h2(pb[2 * p + 1]), sb[i >> 1]))};
-      mma_16816(acc, a, b.x, b.y);
-      mma_16816(acc, a, b.z, b.w);
+      const uint4 b = xb[4 * (2 * i + p)];
+      #pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const uint32_t a[4] = {h2_bits(__hmul2(bits_h2(pa[m][2 * p]), sa[m][i >> 1])),
+                               h2_bits(__hmul2(bits_h2(pb[m][2 * p]), sb[m][i >> 1])),
+                               h2_bits(__hmul2(bits_h2(pa[m][2 * p + 1]), sa[m][i >> 1])),
+                               h2_bits(__hmul2(bits_h2(pb[m][2 * p + 1]), sb[m][i >> 1]))};
+        mma_16816(acc[m], a, b.x, b.y);
+        mma_16816(acc[m], a, b.z, b.w);
+      }
     }
   }
+}
+
+__device__ __forceinline__ void slot_chunk_mma(const SlotChunk& r, const uint32_t* __restrict__ xf, int c, int j,
+                                               float (&acc)[4]) {
+  slot_chunks_mma<1>(reinterpret_cast<const SlotChunk(&)[1]>(r), xf, c, j, reinterpret_cast<float(&)[1][4]>(acc));
 }
 
 // One round of N chunks: the loads of chunks [c, min(c + N, c1)), then their products.
@@ -129,7 +149,7 @@ __device__ __forceinline__ void slot_acc_sum(const float (&acc)[N][4], float (&o
   for (int u = 0; u < N; ++u) out[0] += acc[u][0], out[1] += acc[u][2];
 }
 
-// Matrices the per-slot tensor-core down kernel takes: NVFP4, whole chunks.
+// Matrices that take fragment rows (the per-slot down kernel, the grouped kernels): NVFP4, whole chunks.
 __host__ __device__ inline bool slot_mma_fits(const DLinear& W) {
   return W.format == DFormat::NVFP4 && W.in % kFragChunk == 0;
 }
