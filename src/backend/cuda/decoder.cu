@@ -199,7 +199,9 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
     KESTREL_CUDA_CHECK(cudaMemset(moe_.route_done, 0, chunks * sizeof(uint32_t)));
     if (B >= 2) {  // the expert-grouped kernels (KESTREL_MOE_GROUPED_MIN_BATCH)
       moe_.out = buffer<float>(slots * H);
-      moe_.xf = buffer<uint32_t>(B * H);
+      bool frag = false;
+      for (const DLayer& L : m_.layers()) frag |= L.is_moe && moe_takes_fragment_rows(L.moe);
+      if (frag) moe_.xf = buffer<uint32_t>(B * H);
     }
   }
   guard.done = true;

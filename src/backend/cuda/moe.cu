@@ -454,13 +454,6 @@ int grouped_min_batch() {
   return v;
 }
 
-// NVFP4 experts in the grouped kernels take activations split once into fragment rows
-// (KESTREL_MOE_FRAG=0: split by every tile per chunk, for A/B runs).
-bool moe_frag_enabled() {
-  static const bool v = env_switch("KESTREL_MOE_FRAG");
-  return v;
-}
-
 // The per-slot down kernel on tensor cores at one token where the experts allow
 // (KESTREL_MOE_SLOT_MMA=0: the CUDA-core one, for A/B runs).
 bool slot_mma_enabled() {
@@ -497,6 +490,16 @@ void describe_experts(DMoe& m, const std::vector<DLinear>& gate, const std::vect
   m.frag_gate_up = gu ? 1 : 0;
 }
 
+bool moe_frag_enabled() {
+  static const bool v = env_switch("KESTREL_MOE_FRAG");
+  return v;
+}
+
+bool moe_takes_fragment_rows(const DMoe& m) {
+  return moe_frag_enabled() && m.frag_gate_up &&
+         (!m.has_shared || (slot_mma_fits(m.shared_gate) && slot_mma_fits(m.shared_up)));
+}
+
 void launch_moe(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s, cudaStream_t stream) {
   launch_route(m.router, x, batch, s.logits, s.route_done, s.experts, s.weights, stream);
   launch_moe_experts(m, x, batch, residual, s, stream);
@@ -514,10 +517,8 @@ int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual
                                           on_tensor_cores(m.shared_down) && m.shared_gate.format == m.shared_up.format));
   if (grouped) {
     // Fragment rows (slot_mma.cuh) in and out of gate/up where every matrix of that side takes them.
-    const bool frag = moe_frag_enabled();
-    const bool frag_in = frag && s.xf && m.frag_gate_up &&
-                         (!m.has_shared || (slot_mma_fits(m.shared_gate) && slot_mma_fits(m.shared_up)));
-    const bool frag_act = frag && m.slot_down_mma && (!m.has_shared || slot_mma_fits(m.shared_down));
+    const bool frag_in = s.xf && moe_takes_fragment_rows(m);
+    const bool frag_act = moe_frag_enabled() && m.slot_down_mma && (!m.has_shared || slot_mma_fits(m.shared_down));
     // Warps per tile: the fewest (longest rows per warp, least set-up per byte) that still give
     // four blocks per SM for the experts uniform routing is expected to select, and each warp at
     // least two chunks.

@@ -49,6 +49,12 @@ struct MoeScratch {
                                    // (m.frag_gate_up; null: each tile splits it)
 };
 
+// NVFP4 experts in the grouped kernels take their activations split once into fragment rows
+// (KESTREL_MOE_FRAG=0: split by every 16-row tile per chunk, for A/B runs).
+bool moe_frag_enabled();
+// Whether the grouped kernels take m's input as fragment rows (MoeScratch::xf).
+bool moe_takes_fragment_rows(const DMoe& m);
+
 // The experts after routing (s.experts, s.weights): gate/up of all slots, then down with the
 // weighted sum added to the residual. Up to 3 tokens: a launch per step with one block row per
 // slot, on CUDA cores (at one token, down on tensor cores where m.slot_down_mma says it can). 4 or more (with s.out and m.tensor_cores): the slots are grouped by expert inside
