@@ -35,7 +35,7 @@ if [ -z "${GTEST_FILTER:-}" ]; then
   # And with K never split over clusters (those shapes then take the wide kernel).
   rerun gpu_tests_nosplit.log '*LinearTest*:CudaOps.ThreeJobs*' KESTREL_LINEAR_SPLIT=0
   # The expert-grouped kernels splitting the activations per tile instead of taking fragment rows.
-  rerun gpu_tests_nofrag.log 'CudaOps.Moe*:CudaModel*' KESTREL_MOE_FRAG=0
+  rerun gpu_tests_nofrag.log 'CudaOps.Moe*:*CudaModelTest*:CudaRandomModel*' KESTREL_MOE_FRAG=0
   # With several GPUs, the split tests on one of them: the split code path with one rank.
   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     rerun gpu_tests_one_gpu.log '*Split*:RankGroup*:CudaCommOneRank*' CUDA_VISIBLE_DEVICES=0

@@ -490,7 +490,7 @@ TEST(CudaOps, MoeMatchesCpu) {
         DeviceBuffer<uint32_t> done(std::vector<uint32_t>(size_t(cuda::route_chunks(B)), 0));
         DeviceBuffer<uint32_t> sxf(size_t(B) * H);
         sa.poison(), so.poison(), sxf.poison();
-        // At 8 tokens without fragment rows of x: each tile splits it, the down side may still take fragments.
+        // At 8 tokens without fragment rows of x: each tile splits it (and down takes floats).
         cuda::MoeScratch s{se.get(), sw.get(), sa.get(), A, sl.get(), done.get(), so.get(), B == 8 ? nullptr : sxf.get()};
         cuda::launch_moe(ep ? half : dm, dx.get(), B, dr.get(), s, nullptr);
         std::vector<float> got = dr.download();

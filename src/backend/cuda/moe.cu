@@ -264,26 +264,14 @@ __device__ bool find_group(const DMoe& m, int batch, const int32_t* __restrict__
   return g.expert >= 0;
 }
 
-// Lane g's token row of a group of 8 starting at t0: the g-th, or past the group's count its
-// first, whose columns are computed and dropped.
-__device__ __forceinline__ int group_slot(const Group& grp, int t0, int g) {
-  return grp.slots[t0 + g < grp.count ? t0 + g : t0];
-}
-
 // Grid: (row blocks, 1 + min(local experts, batch * top_k)). A block holds kGroupWarps / ks tiles of 16
-// gate rows and the same up rows; the ks warps of a tile take its chunks in turn (ks is chosen by
-// the host so that the grid fills the GPU: 1 when many experts are selected, so each warp streams
-// whole rows and the block's set-up is paid once for 64 rows). Each group of 8 tokens of the
-// expert is one pass over the block's weights (from L2 after the first).
-// Frag: NVFP4 experts take x as fragment rows xf (split once per layer by frag_rows_kernel) in
-// 128-weight chunks (slot_mma.cuh); otherwise each tile splits x per 64-weight chunk (mma_tiles.cuh).
-// frag_act: act receives fragment rows for grouped_down_kernel<true>.
-template <bool Frag>
+// gate rows and the same up rows; the ks warps of a tile take its 64-weight chunks in turn (ks is
+// chosen by the host so that the grid fills the GPU: 1 when many experts are selected, so each
+// warp streams whole rows and the block's set-up is paid once for 64 rows). Each group of 8
+// tokens of the expert is one pass over the block's weights (from L2 after the first).
 __global__ void __launch_bounds__(kGroupWarps * 32) grouped_gate_up_kernel(DMoe m, int batch, const float* __restrict__ x,
-                                                                      const uint32_t* __restrict__ xf,
                                                                       const int32_t* __restrict__ experts,
-                                                                      float* __restrict__ act, int act_stride, int ks,
-                                                                      int frag_act) {
+                                                                      float* __restrict__ act, int act_stride, int ks) {
   __shared__ Group grp;
   __shared__ float red[kGroupWarps][32][8];
   pdl_enter();
@@ -299,34 +287,22 @@ __global__ void __launch_bounds__(kGroupWarps * 32) grouped_gate_up_kernel(DMoe 
   const int ra = min(r0 + g, G.out - 1), rb = min(r0 + g + 8, G.out - 1);
   const bool fp4 = G.format == DFormat::NVFP4;
   for (int t0 = 0; t0 < grp.count; t0 += 8) {
-    float acc[2][4] = {};  // gate, up
-    float(&ag)[4] = acc[0];
-    float(&au)[4] = acc[1];
-    if constexpr (Frag) {
-      const int slot = group_slot(grp, t0, g);
-      const uint32_t* xr = xf + size_t(sh ? slot - batch * K : slot / K) * G.in;
-      if (r0 < G.out) {
-        #pragma unroll 2
-        for (int c = wk; c < G.in / kFragChunk; c += ks) {
-          const SlotChunk ch[2] = {slot_chunk_load(G, ra, rb, c, j), slot_chunk_load(U, ra, rb, c, j)};
-          slot_chunks_mma<2>(ch, xr, c, j, acc);
-        }
-      }
-    } else if (r0 < G.out) {
-      const int slot = t0 + g < grp.count ? grp.slots[t0 + g] : -1;
-      const float* xg = slot < 0 ? nullptr : x + size_t(sh ? slot - batch * K : slot / K) * G.in;
+    const int slot = t0 + g < grp.count ? grp.slots[t0 + g] : -1;
+    const float* xg = slot < 0 ? nullptr : x + size_t(sh ? slot - batch * K : slot / K) * G.in;
+    float ag[4] = {0.0f, 0.0f, 0.0f, 0.0f}, au[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (r0 < G.out) {
       if (fp4) {
         #pragma unroll 4
         for (int c = wk; c < G.in / 64; c += ks) {
-          const XFrag xc = x_frag<true>(xg, c, j);
-          nvfp4_mma_chunk(G, ra, rb, xc, c, j, ag);
-          nvfp4_mma_chunk(U, ra, rb, xc, c, j, au);
+          const XFrag xf = x_frag<true>(xg, c, j);
+          nvfp4_mma_chunk(G, ra, rb, xf, c, j, ag);
+          nvfp4_mma_chunk(U, ra, rb, xf, c, j, au);
         }
       } else {
         for (int c = wk; c < G.in / 64; c += ks) {
-          const XFrag xc = x_frag<false>(xg, c, j);
-          bf16_mma_chunk(G, ra, rb, xc, c, j, ag);
-          bf16_mma_chunk(U, ra, rb, xc, c, j, au);
+          const XFrag xf = x_frag<false>(xg, c, j);
+          bf16_mma_chunk(G, ra, rb, xf, c, j, ag);
+          bf16_mma_chunk(U, ra, rb, xf, c, j, au);
         }
       }
     }
@@ -351,9 +327,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32) grouped_gate_up_kernel(DMoe 
           if (t >= grp.count) continue;
           const float gv = ag[2 * h + q] * kg + (G.bias ? G.bias[row] : 0.0f);
           const float uv = au[2 * h + q] * ku + (U.bias ? U.bias[row] : 0.0f);
-          const float y = gv / (1.0f + __expf(-gv)) * uv;
-          if (frag_act) frag_store(reinterpret_cast<uint32_t*>(act) + size_t(grp.slots[t]) * act_stride, row, y);
-          else act[size_t(grp.slots[t]) * act_stride + row] = y;
+          act[size_t(grp.slots[t]) * act_stride + row] = gv / (1.0f + __expf(-gv)) * uv;
         }
       }
     }
@@ -362,8 +336,6 @@ __global__ void __launch_bounds__(kGroupWarps * 32) grouped_gate_up_kernel(DMoe 
 }
 
 // Grid: (row blocks over hidden, as above). out[slot] = weight(slot) x down(act[slot]).
-// Frag: act holds fragment rows (grouped_gate_up_kernel's frag_act) and the chunks are 128 weights.
-template <bool Frag>
 __global__ void __launch_bounds__(kGroupWarps * 32) grouped_down_kernel(DMoe m, int batch, const int32_t* __restrict__ experts,
                                                                    const float* __restrict__ weights,
                                                                    const float* __restrict__ act, int act_stride,
@@ -380,15 +352,9 @@ __global__ void __launch_bounds__(kGroupWarps * 32) grouped_down_kernel(DMoe m, 
   const int g = lane >> 2, j = lane & 3;
   const int ra = min(r0 + g, D.out - 1), rb = min(r0 + g + 8, D.out - 1);
   for (int t0 = 0; t0 < grp.count; t0 += 8) {
+    const float* xg = t0 + g < grp.count ? act + size_t(grp.slots[t0 + g]) * act_stride : nullptr;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if constexpr (Frag) {
-      const uint32_t* xr = reinterpret_cast<const uint32_t*>(act) + size_t(group_slot(grp, t0, g)) * act_stride;
-      if (r0 < D.out) {
-        #pragma unroll 4
-        for (int c = wk; c < D.in / kFragChunk; c += ks) slot_chunk_mma(slot_chunk_load(D, ra, rb, c, j), xr, c, j, acc);
-      }
-    } else if (r0 < D.out) {
-      const float* xg = t0 + g < grp.count ? act + size_t(grp.slots[t0 + g]) * act_stride : nullptr;
+    if (r0 < D.out) {
       #pragma unroll 4
       for (int c = wk; c < D.in / 64; c += ks) mma_chunk(D, ra, rb, xg, c, j, acc);
     }
@@ -401,6 +367,135 @@ __global__ void __launch_bounds__(kGroupWarps * 32) grouped_down_kernel(DMoe m, 
           #pragma unroll
           for (int i = 0; i < 4; ++i) acc[i] += red[w][lane][i];
     }
+    if (wk == 0 && r0 < D.out) {
+      const float k = mma_unscale(D);
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = r0 + g + 8 * h;
+        if (row >= D.out) continue;
+        #pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int t = t0 + 2 * j + q;
+          if (t >= grp.count) continue;
+          const int slot = grp.slots[t];
+          const float y = acc[2 * h + q] * k + (D.bias ? D.bias[row] : 0.0f);
+          out[size_t(slot) * D.out + row] = sh ? y : weights[slot] * y;
+        }
+      }
+    }
+    if (ks > 1) __syncthreads();
+  }
+}
+
+// ---- The same on fragment rows (NVFP4 experts whose inputs are multiples of 128 wide) ----
+//
+// The layer's input is split into FP16 hi + lo fragment rows once (frag_rows_kernel), gate/up
+// writes its output the same way where down takes it, and each tile runs the 128-weight chunks
+// of slot_mma.cuh with lane (g, j) passing token g's row, instead of splitting float activations
+// for every 64-weight chunk. Kept apart from the kernels above, whose code generation moved by
+// 3-7% per step when they carried both paths (docs/PERF.md v22).
+
+// Lane g's token row of a group of 8 starting at t0: the g-th, or past the group's count its
+// first, whose columns are computed and dropped.
+__device__ __forceinline__ int group_slot(const Group& grp, int t0, int g) {
+  return grp.slots[t0 + g < grp.count ? t0 + g : t0];
+}
+
+// Sums a tile's partial accumulators over its ks warps (warp order) into the tile's first warp.
+template <int N>
+__device__ __forceinline__ void tile_sum(float (&acc)[N], float (*red)[32][8], int ks) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (ks == 1) return;
+  #pragma unroll
+  for (int i = 0; i < N; ++i) red[warp][lane][i] = acc[i];
+  __syncthreads();
+  if (warp % ks == 0)
+    for (int w = warp + 1; w < warp + ks; ++w)
+      #pragma unroll
+      for (int i = 0; i < N; ++i) acc[i] += red[w][lane][i];
+}
+
+// As grouped_gate_up_kernel, x as fragment rows xf; frag_act: act receives fragment rows too.
+__global__ void __launch_bounds__(kGroupWarps * 32) grouped_gate_up_frag_kernel(DMoe m, int batch,
+                                                                           const uint32_t* __restrict__ xf,
+                                                                           const int32_t* __restrict__ experts,
+                                                                           float* __restrict__ act, int act_stride,
+                                                                           int ks, int frag_act) {
+  __shared__ Group grp;
+  __shared__ float red[kGroupWarps][32][8];
+  pdl_enter();
+  if (!find_group(m, batch, experts, blockIdx.y, grp)) return;
+  const bool sh = blockIdx.y == 0;
+  const DLinear G = sh ? m.shared_gate : m.gate[grp.expert];
+  const DLinear U = sh ? m.shared_up : m.up[grp.expert];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tiles = kGroupWarps / ks;
+  if (int(blockIdx.x) * tiles * 16 >= G.out) return;  // past this expert's rows (the shared one may be wider)
+  const int r0 = (blockIdx.x * tiles + warp / ks) * 16, wk = warp % ks, K = m.router.top_k;
+  const int g = lane >> 2, j = lane & 3;
+  const int ra = min(r0 + g, G.out - 1), rb = min(r0 + g + 8, G.out - 1);
+  for (int t0 = 0; t0 < grp.count; t0 += 8) {
+    const int slot = group_slot(grp, t0, g);
+    const uint32_t* xr = xf + size_t(sh ? slot - batch * K : slot / K) * G.in;
+    float acc[2][4] = {};  // gate, up
+    if (r0 < G.out) {
+      #pragma unroll 2
+      for (int c = wk; c < G.in / kFragChunk; c += ks) {
+        const SlotChunk ch[2] = {slot_chunk_load(G, ra, rb, c, j), slot_chunk_load(U, ra, rb, c, j)};
+        slot_chunks_mma<2>(ch, xr, c, j, acc);
+      }
+    }
+    float gu[8];
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) gu[i] = acc[0][i], gu[4 + i] = acc[1][i];
+    tile_sum<8>(gu, red, ks);
+    if (wk == 0 && r0 < G.out) {
+      const float kg = mma_unscale(G), ku = mma_unscale(U);
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = r0 + g + 8 * h;
+        if (row >= G.out) continue;
+        #pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int t = t0 + 2 * j + q;
+          if (t >= grp.count) continue;
+          const float gv = gu[2 * h + q] * kg + (G.bias ? G.bias[row] : 0.0f);
+          const float uv = gu[4 + 2 * h + q] * ku + (U.bias ? U.bias[row] : 0.0f);
+          const float y = gv / (1.0f + __expf(-gv)) * uv;
+          if (frag_act) frag_store(reinterpret_cast<uint32_t*>(act) + size_t(grp.slots[t]) * act_stride, row, y);
+          else act[size_t(grp.slots[t]) * act_stride + row] = y;
+        }
+      }
+    }
+    if (ks > 1) __syncthreads();  // red is reused by the next token group
+  }
+}
+
+// As grouped_down_kernel, act as fragment rows.
+__global__ void __launch_bounds__(kGroupWarps * 32) grouped_down_frag_kernel(DMoe m, int batch,
+                                                                        const int32_t* __restrict__ experts,
+                                                                        const float* __restrict__ weights,
+                                                                        const uint32_t* __restrict__ act, int act_stride,
+                                                                        float* __restrict__ out, int ks) {
+  __shared__ Group grp;
+  __shared__ float red[kGroupWarps][32][8];
+  pdl_enter();
+  if (!find_group(m, batch, experts, blockIdx.y, grp)) return;
+  const bool sh = blockIdx.y == 0;
+  const DLinear D = sh ? m.shared_down : m.down[grp.expert];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tiles = kGroupWarps / ks;
+  const int r0 = (blockIdx.x * tiles + warp / ks) * 16, wk = warp % ks;
+  const int g = lane >> 2, j = lane & 3;
+  const int ra = min(r0 + g, D.out - 1), rb = min(r0 + g + 8, D.out - 1);
+  for (int t0 = 0; t0 < grp.count; t0 += 8) {
+    const uint32_t* xr = act + size_t(group_slot(grp, t0, g)) * act_stride;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (r0 < D.out) {
+      #pragma unroll 4
+      for (int c = wk; c < D.in / kFragChunk; c += ks) slot_chunk_mma(slot_chunk_load(D, ra, rb, c, j), xr, c, j, acc);
+    }
+    tile_sum<4>(acc, red, ks);
     if (wk == 0 && r0 < D.out) {
       const float k = mma_unscale(D);
       #pragma unroll
@@ -518,7 +613,7 @@ int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual
   if (grouped) {
     // Fragment rows (slot_mma.cuh) in and out of gate/up where every matrix of that side takes them.
     const bool frag_in = s.xf && moe_takes_fragment_rows(m);
-    const bool frag_act = moe_frag_enabled() && m.slot_down_mma && (!m.has_shared || slot_mma_fits(m.shared_down));
+    const bool frag_act = frag_in && m.slot_down_mma && (!m.has_shared || slot_mma_fits(m.shared_down));
     // Warps per tile: the fewest (longest rows per warp, least set-up per byte) that still give
     // four blocks per SM for the experts uniform routing is expected to select, and each warp at
     // least two chunks.
@@ -547,13 +642,20 @@ int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual
     // Launched without PDL: with it (its blocks resident and waiting while the selection runs)
     // the step took 9.31 instead of 8.23 ms at batch 8 on Qwen3-30B-A3B shapes (docs/PERF.md v12);
     // PDL on the two kernels after it, and on the per-slot kernels, measured neutral.
-    launch_pdl(false, frag_in ? grouped_gate_up_kernel<true> : grouped_gate_up_kernel<false>,
-               dim3(unsigned(blocks_for(std::max(m.width, shared_w), ks_gu)), groups), dim3(kGroupWarps * 32), 0, stream,
-               m, batch, x, s.xf, s.experts, s.act, s.act_stride, ks_gu, frag_act ? 1 : 0);
+    if (frag_in)
+      launch_pdl(false, grouped_gate_up_frag_kernel, dim3(unsigned(blocks_for(std::max(m.width, shared_w), ks_gu)), groups),
+                 dim3(kGroupWarps * 32), 0, stream, m, batch, s.xf, s.experts, s.act, s.act_stride, ks_gu,
+                 frag_act ? 1 : 0);
+    else
+      launch_pdl(false, grouped_gate_up_kernel, dim3(unsigned(blocks_for(std::max(m.width, shared_w), ks_gu)), groups),
+                 dim3(kGroupWarps * 32), 0, stream, m, batch, x, s.experts, s.act, s.act_stride, ks_gu);
     KESTREL_CUDA_LAUNCHED();
-    launch(frag_act ? grouped_down_kernel<true> : grouped_down_kernel<false>,
-           dim3(unsigned(blocks_for(hidden, ks_dn)), groups), dim3(kGroupWarps * 32), 0, stream, m, batch, s.experts,
-           s.weights, s.act, s.act_stride, s.out, ks_dn);
+    if (frag_act)
+      launch(grouped_down_frag_kernel, dim3(unsigned(blocks_for(hidden, ks_dn)), groups), dim3(kGroupWarps * 32), 0, stream,
+             m, batch, s.experts, s.weights, reinterpret_cast<const uint32_t*>(s.act), s.act_stride, s.out, ks_dn);
+    else
+      launch(grouped_down_kernel, dim3(unsigned(blocks_for(hidden, ks_dn)), groups), dim3(kGroupWarps * 32), 0, stream, m,
+             batch, s.experts, s.weights, s.act, s.act_stride, s.out, ks_dn);
     KESTREL_CUDA_LAUNCHED();
     launch(slot_sum_kernel, dim3(unsigned((hidden + 255) / 256), unsigned(batch)), dim3(256), 0, stream, m, batch,
            s.experts, s.out, residual);
