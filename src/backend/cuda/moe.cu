@@ -516,7 +516,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32) grouped_down_frag_kernel(DMo
   }
 }
 
-// Rows [batch, n] of x as fragment rows (slot_mma.cuh) for grouped_gate_up_kernel<true>: the
+// Rows [batch, n] of x as fragment rows (slot_mma.cuh) for grouped_gate_up_frag_kernel: the
 // split into FP16 hi + lo done once per layer instead of by every 16-row tile of every expert.
 __global__ void __launch_bounds__(256) frag_rows_kernel(const float* __restrict__ x, int n, uint32_t* __restrict__ xf) {
   pdl_enter();
@@ -546,6 +546,13 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(DMoe m, int batch, const 
 // serve one token, and a tensor-core tile then wastes 7 of its 8 columns), even at 4, ahead from 8.
 int grouped_min_batch() {
   static const int v = std::max(1, env_int("KESTREL_MOE_GROUPED_MIN_BATCH", 4));
+  return v;
+}
+
+// NVFP4 experts in the grouped kernels take their activations split once into fragment rows
+// (KESTREL_MOE_FRAG=0: split by every 16-row tile per chunk, for A/B runs).
+bool moe_frag_enabled() {
+  static const bool v = env_switch("KESTREL_MOE_FRAG");
   return v;
 }
 
@@ -583,11 +590,6 @@ void describe_experts(DMoe& m, const std::vector<DLinear>& gate, const std::vect
   for (size_t e = 0; e < gate.size(); ++e) gu &= slot_mma_fits(gate[e]) && slot_mma_fits(up[e]);
   m.slot_down_mma = sm ? 1 : 0;
   m.frag_gate_up = gu ? 1 : 0;
-}
-
-bool moe_frag_enabled() {
-  static const bool v = env_switch("KESTREL_MOE_FRAG");
-  return v;
 }
 
 bool moe_takes_fragment_rows(const DMoe& m) {

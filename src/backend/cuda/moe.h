@@ -49,10 +49,8 @@ struct MoeScratch {
                                    // (m.frag_gate_up; null: each tile splits it)
 };
 
-// NVFP4 experts in the grouped kernels take their activations split once into fragment rows
-// (KESTREL_MOE_FRAG=0: split by every 16-row tile per chunk, for A/B runs).
-bool moe_frag_enabled();
-// Whether the grouped kernels take m's input as fragment rows (MoeScratch::xf).
+// Whether the grouped kernels take m's input as fragment rows (MoeScratch::xf): NVFP4 gate and up
+// matrices with inputs a multiple of 128 wide, unless KESTREL_MOE_FRAG=0 (for A/B runs).
 bool moe_takes_fragment_rows(const DMoe& m);
 
 // The experts after routing (s.experts, s.weights): gate/up of all slots, then down with the
