@@ -33,7 +33,7 @@ constexpr int kSlotChunks = 4;   // chunks whose loads a lane has in flight at o
 
 // A fragment row of n values (n % 128 == 0) takes n 32-bit words, as many as the floats it
 // replaces: per chunk c, 8 k-steps, each 4 lanes j x {hi b0, hi b1, lo b0, lo b1}, so that the
-// 4 lanes of a token read 64 contiguous bytes per k-step pair (lanes of 8 tokens: 8 segments per
+// 4 lanes of a token read 64 contiguous bytes per k-step (lanes of 8 tokens: 8 segments per
 // load; with the lane's 8 k-steps contiguous instead, 32 lines per load made the grouped kernels
 // slower than splitting x per tile from 16 tokens on).
 
