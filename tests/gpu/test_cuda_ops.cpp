@@ -475,7 +475,7 @@ TEST(CudaOps, MoeMatchesCpu) {
     mw_half.first_expert = E / 2;
     mw_half.has_shared = false;
     for (bool ep : {false, true}) {
-      for (int B : {1, 3, 4, 8, 40}) {
+      for (int B : {1, 2, 3, 4, 8, 40}) {
         const auto x = test::random_floats(size_t(B) * H, rng);
         const auto resid = test::random_floats(size_t(B) * H, rng);
         std::vector<float> out(size_t(B) * H);
@@ -490,8 +490,10 @@ TEST(CudaOps, MoeMatchesCpu) {
         DeviceBuffer<uint32_t> done(std::vector<uint32_t>(size_t(cuda::route_chunks(B)), 0));
         DeviceBuffer<uint32_t> sxf(size_t(B) * H);
         sa.poison(), so.poison(), sxf.poison();
-        // At 8 tokens without fragment rows of x: each tile splits it (and down takes floats).
-        cuda::MoeScratch s{se.get(), sw.get(), sa.get(), A, sl.get(), done.get(), so.get(), B == 8 ? nullptr : sxf.get()};
+        // Without fragment rows of x at 3 tokens (the per-slot kernels, which take 2 and 3 tokens
+        // only then) and at 8 (each tile splits x, and down takes floats).
+        const bool no_frag = B == 3 || B == 8;
+        cuda::MoeScratch s{se.get(), sw.get(), sa.get(), A, sl.get(), done.get(), so.get(), no_frag ? nullptr : sxf.get()};
         cuda::launch_moe(ep ? half : dm, dx.get(), B, dr.get(), s, nullptr);
         std::vector<float> got = dr.download();
         const std::string what = std::string(format_name(mc.f)) + " " + std::to_string(H) + "x" + std::to_string(I) +

@@ -541,12 +541,14 @@ __global__ void __launch_bounds__(256) slot_sum_kernel(DMoe m, int batch, const 
   residual[size_t(b) * H + h] += sum;
 }
 
-// Batches from this size take the expert-grouped kernels (KESTREL_MOE_GROUPED_MIN_BATCH, for A/B
-// runs). Measured on Qwen3-30B-A3B shapes (docs/PERF.md v12): slower at 2 tokens (most experts
-// serve one token, and a tensor-core tile then wastes 7 of its 8 columns), even at 4, ahead from 8.
-int grouped_min_batch() {
-  static const int v = std::max(1, env_int("KESTREL_MOE_GROUPED_MIN_BATCH", 4));
-  return v;
+// Batches from this size take the expert-grouped kernels: 2 on fragment rows, else 4
+// (KESTREL_MOE_GROUPED_MIN_BATCH=N sets both, for A/B runs). Measured (docs/PERF.md v23): on
+// fragment rows at 2 and 3 tokens 9-19% faster per step than the per-slot kernels (Qwen3-30B-A3B,
+// GLM-4.5-Air, GLM-5); splitting x per tile, 11% slower at 2 tokens and even at 3 (most experts
+// serve one token, and the split is paid per 16-row tile).
+int grouped_min_batch(bool fragment_rows) {
+  static const int v = env_int("KESTREL_MOE_GROUPED_MIN_BATCH", 0);
+  return v > 0 ? v : fragment_rows ? 2 : 4;
 }
 
 // NVFP4 experts in the grouped kernels take their activations split once into fragment rows
@@ -609,7 +611,8 @@ int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual
     fail("internal: DMoe holds experts ", m.first_expert, " + ", m.local_experts, " of ", m.router.experts);
   const int slots = batch * m.router.top_k + (m.has_shared ? batch : 0);
   const int hidden = m.router.w.in;
-  const bool grouped = s.out && m.tensor_cores && batch >= grouped_min_batch() && batch <= kMaxGroupTokens &&
+  const bool grouped = s.out && m.tensor_cores && batch >= grouped_min_batch(s.xf && moe_takes_fragment_rows(m)) &&
+                       batch <= kMaxGroupTokens &&
                        (!m.has_shared || (on_tensor_cores(m.shared_gate) && on_tensor_cores(m.shared_up) &&
                                           on_tensor_cores(m.shared_down) && m.shared_gate.format == m.shared_up.format));
   if (grouped) {

@@ -44,7 +44,7 @@ struct MoeScratch {
   float* logits = nullptr;         // router logits [B, experts]
   uint32_t* route_done = nullptr;  // router chunk counters [route_chunks(B)], zeroed once: each launch leaves them 0
   float* out = nullptr;            // weighted down outputs of every slot [B * (top_k + shared), hidden]; with
-                                   // it, batches of 4+ tokens take the expert-grouped tensor-core kernels
+                                   // it, batches of 2+ (fragment rows) or 4+ tokens take the grouped kernels
   uint32_t* xf = nullptr;          // the input split into fragment rows [B, hidden] for the grouped kernels
                                    // (m.frag_gate_up; null: each tile splits it)
 };
@@ -54,9 +54,10 @@ struct MoeScratch {
 bool moe_takes_fragment_rows(const DMoe& m);
 
 // The experts after routing (s.experts, s.weights): gate/up of all slots, then down with the
-// weighted sum added to the residual. Up to 3 tokens: a launch per step with one block row per
-// slot, on CUDA cores (at one token, down on tensor cores where m.slot_down_mma says it can). 4 or more (with s.out and m.tensor_cores): the slots are grouped by expert inside
-// each block, so every selected expert's weights (and the shared expert's) are read once for all
+// weighted sum added to the residual. One token, and 2-3 without fragment rows (s.xf and
+// moe_takes_fragment_rows): a launch per step with one block row per slot, on CUDA cores (at one
+// token, down on tensor cores where m.slot_down_mma says it can). From 2 tokens with fragment rows,
+// else from 4 (with s.out and m.tensor_cores): the slots are grouped by expert inside each block, so every selected expert's weights (and the shared expert's) are read once for all
 // the tokens that chose it, on tensor cores; then the weighted outputs are added to the residual
 // in slot order.
 // Returns the number of kernels launched (2 per-slot, 3 or 4 grouped).
