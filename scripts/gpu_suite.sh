@@ -133,7 +133,7 @@ bench() {  # name, then kestrel bench arguments
   "$BUILD/src/kestrel" bench "$@" --json "$OUT/bench_$name.json" 2>>"$OUT/bench.txt" | tee -a "$OUT/bench.txt"
 }
 if [ -z "${SKIP_BENCH:-}" ]; then
-  bench qwen3-30b-a3b --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,2,4,8,16,32,64 --context 1024 --steps 50 --ops \
+  bench qwen3-30b-a3b --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,2,3,4,8,16,32,64 --context 1024 --steps 50 --ops \
     --plot "$OUT/ops_qwen3-30b-a3b.svg" --prefill 512,4096
   # Long contexts (8k), and a cache sized as a server sizes it (32k) holding 1k-position sequences.
   bench qwen3-30b-a3b-ctx8k --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8,32 --context 8192 --steps 30
@@ -145,7 +145,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   bench qwen3-30b-a3b-cap32k --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8 --context 1024 \
     --capacity 32768 --steps 30
   KESTREL_MOE_GROUPED_MIN_BATCH=1000 bench qwen3-30b-a3b-moe-per-slot --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
-    --batch 4,8,32 --context 1024 --steps 50
+    --batch 2,4,8,32 --context 1024 --steps 50
   KESTREL_MOE_SLOT_MMA=0 bench qwen3-30b-a3b-down-cuda-cores --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
     --batch 1 --context 1024 --steps 50
   KESTREL_MMA_MIN_BATCH=1 bench qwen3-30b-a3b-mma-b1 --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1 --context 1024 --steps 50
@@ -166,7 +166,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   KESTREL_MOE_FRAG=0 bench qwen3-30b-a3b-no-frag --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
     --batch 4,8,16,32,64 --context 1024 --steps 50
   KESTREL_PDL=0 bench qwen3-30b-a3b-no-pdl --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 50
-  bench glm-4.5-air --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 30
+  bench glm-4.5-air --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,2,8 --context 1024 --steps 30
   # MLA models are larger than one GPU: slices of 5 and 9 layers (3 dense + 2 or 6 MoE); the
   # difference gives one MoE layer's time and floor, extrapolated to the full depth below.
   for m in glm-5 deepseek-v3; do
