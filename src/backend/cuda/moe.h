@@ -56,10 +56,11 @@ bool moe_takes_fragment_rows(const DMoe& m);
 // The experts after routing (s.experts, s.weights): gate/up of all slots, then down with the
 // weighted sum added to the residual. One token, and 2-3 without fragment rows (s.xf and
 // moe_takes_fragment_rows): a launch per step with one block row per slot, on CUDA cores (at one
-// token, down on tensor cores where m.slot_down_mma says it can). From 2 tokens with fragment rows,
-// else from 4 (with s.out and m.tensor_cores): the slots are grouped by expert inside each block, so every selected expert's weights (and the shared expert's) are read once for all
-// the tokens that chose it, on tensor cores; then the weighted outputs are added to the residual
-// in slot order.
+// token, down on tensor cores where m.slot_down_mma says it can). From 2 tokens with fragment
+// rows, else from 4 (with s.out and m.tensor_cores): the slots are grouped by expert inside each
+// block, so every selected expert's weights (and the shared expert's) are read once for all the
+// tokens that chose it, on tensor cores; then the weighted outputs are added to the residual in
+// slot order.
 // Returns the number of kernels launched (2 per-slot, 3 or 4 grouped).
 int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s,
                        cudaStream_t stream);
