@@ -20,7 +20,7 @@ nvidia-smi topo -m >"$OUT/topo.txt" 2>&1 || true
 gpu_build "$OUT/build.log" kestrel kestrel_gpu_tests || exit 1
 
 COUNTS=()
-for n in 2 4 8; do [ "$n" -le "$GPUS" ] && COUNTS+=("$n"); done
+for n in 2 4 8; do if [ "$n" -le "$GPUS" ]; then COUNTS+=("$n"); fi; done
 first() { seq -s, 0 $(($1 - 1)); }  # CUDA_VISIBLE_DEVICES for the first N GPUs
 K=$BUILD/src/kestrel
 rc=0
@@ -72,8 +72,8 @@ for m in qwen3-30b-a3b glm-4.5-air; do
   args=(--config "configs/$m-nvfp4.json" --random-weights --batch 1,8 --context 1024 --steps 30)
   bench "$m-tp1" 0 "${args[@]}"
   for n in "${COUNTS[@]}"; do
-    ops=()
-    [ "$n" = "${COUNTS[-1]}" ] && ops=(--ops)  # where the time goes (weights, attention, communication)
+    ops=()  # where the time goes (weights, attention, communication): at the largest count
+    if [ "$n" = "${COUNTS[-1]}" ]; then ops=(--ops); fi
     bench "$m-tp$n" "$(first "$n")" "${args[@]}" --tp "$n" "${ops[@]}"
     bench "$m-tp$n-ep$n" "$(first "$n")" "${args[@]}" --tp "$n" --ep "$n" "${ops[@]}"
   done
