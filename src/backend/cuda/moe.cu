@@ -264,6 +264,29 @@ __device__ bool find_group(const DMoe& m, int batch, const int32_t* __restrict__
   return g.expert >= 0;
 }
 
+// A gate/up tile's results, SiLU(gate) x up (rows r0 + g and r0 + g + 8, the group's tokens
+// t0 + 2j and t0 + 2j + 1), into each slot's row of act: floats, or with frag_act fragment rows.
+__device__ __forceinline__ void store_gate_up_tile(const DLinear& G, const DLinear& U, const Group& grp, int r0, int t0,
+                                                   int g, int j, const float (&ag)[4], const float (&au)[4],
+                                                   bool frag_act, float* __restrict__ act, int act_stride) {
+  const float kg = mma_unscale(G), ku = mma_unscale(U);
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = r0 + g + 8 * h;
+    if (row >= G.out) continue;
+    #pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int t = t0 + 2 * j + q;
+      if (t >= grp.count) continue;
+      const float gv = ag[2 * h + q] * kg + (G.bias ? G.bias[row] : 0.0f);
+      const float uv = au[2 * h + q] * ku + (U.bias ? U.bias[row] : 0.0f);
+      const float y = gv / (1.0f + __expf(-gv)) * uv;
+      if (frag_act) frag_store(reinterpret_cast<uint32_t*>(act) + size_t(grp.slots[t]) * act_stride, row, y);
+      else act[size_t(grp.slots[t]) * act_stride + row] = y;
+    }
+  }
+}
+
 // Grid: (row blocks, 1 + min(local experts, batch * top_k)). A block holds kGroupWarps / ks tiles of 16
 // gate rows and the same up rows; the ks warps of a tile take its 64-weight chunks in turn (ks is
 // chosen by the host so that the grid fills the GPU: 1 when many experts are selected, so each
@@ -315,23 +338,29 @@ __global__ void __launch_bounds__(kGroupWarps * 32) grouped_gate_up_kernel(DMoe 
           #pragma unroll
           for (int i = 0; i < 4; ++i) ag[i] += red[w][lane][i], au[i] += red[w][lane][4 + i];
     }
-    if (wk == 0 && r0 < G.out) {
-      const float kg = mma_unscale(G), ku = mma_unscale(U);
-      #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = r0 + g + 8 * h;
-        if (row >= G.out) continue;
-        #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const int t = t0 + 2 * j + q;
-          if (t >= grp.count) continue;
-          const float gv = ag[2 * h + q] * kg + (G.bias ? G.bias[row] : 0.0f);
-          const float uv = au[2 * h + q] * ku + (U.bias ? U.bias[row] : 0.0f);
-          act[size_t(grp.slots[t]) * act_stride + row] = gv / (1.0f + __expf(-gv)) * uv;
-        }
-      }
-    }
+    if (wk == 0 && r0 < G.out) store_gate_up_tile(G, U, grp, r0, t0, g, j, ag, au, false, act, act_stride);
     if (ks > 1) __syncthreads();  // red is reused by the next token group
+  }
+}
+
+// A down tile's results (rows r0 + g and r0 + g + 8, the group's tokens t0 + 2j and t0 + 2j + 1)
+// into out, each times its slot's routing weight (the shared expert's: 1).
+__device__ __forceinline__ void store_down_tile(const DLinear& D, const Group& grp, int r0, int t0, int g, int j,
+                                                bool sh, const float* __restrict__ weights, const float (&acc)[4],
+                                                float* __restrict__ out) {
+  const float k = mma_unscale(D);
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = r0 + g + 8 * h;
+    if (row >= D.out) continue;
+    #pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int t = t0 + 2 * j + q;
+      if (t >= grp.count) continue;
+      const int slot = grp.slots[t];
+      const float y = acc[2 * h + q] * k + (D.bias ? D.bias[row] : 0.0f);
+      out[size_t(slot) * D.out + row] = sh ? y : weights[slot] * y;
+    }
   }
 }
 
@@ -367,22 +396,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32) grouped_down_kernel(DMoe m, 
           #pragma unroll
           for (int i = 0; i < 4; ++i) acc[i] += red[w][lane][i];
     }
-    if (wk == 0 && r0 < D.out) {
-      const float k = mma_unscale(D);
-      #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = r0 + g + 8 * h;
-        if (row >= D.out) continue;
-        #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const int t = t0 + 2 * j + q;
-          if (t >= grp.count) continue;
-          const int slot = grp.slots[t];
-          const float y = acc[2 * h + q] * k + (D.bias ? D.bias[row] : 0.0f);
-          out[size_t(slot) * D.out + row] = sh ? y : weights[slot] * y;
-        }
-      }
-    }
+    if (wk == 0 && r0 < D.out) store_down_tile(D, grp, r0, t0, g, j, sh, weights, acc, out);
     if (ks > 1) __syncthreads();
   }
 }
@@ -393,7 +407,8 @@ __global__ void __launch_bounds__(kGroupWarps * 32) grouped_down_kernel(DMoe m, 
 // writes its output the same way where down takes it, and each tile runs the 128-weight chunks
 // of slot_mma.cuh with lane (g, j) passing token g's row, instead of splitting float activations
 // for every 64-weight chunk. Kept apart from the kernels above, whose code generation moved by
-// 3-7% per step when they carried both paths (docs/PERF.md v22).
+// 3-7% per step when they carried both paths (docs/PERF.md v22); they share the tile epilogues
+// (store_gate_up_tile, store_down_tile), which leave every kernel's machine code as it was.
 
 // Lane g's token row of a group of 8 starting at t0: the g-th, or past the group's count its
 // first, whose columns are computed and dropped.
@@ -449,24 +464,9 @@ __global__ void __launch_bounds__(kGroupWarps * 32) grouped_gate_up_frag_kernel(
     #pragma unroll
     for (int i = 0; i < 4; ++i) gu[i] = acc[0][i], gu[4 + i] = acc[1][i];
     tile_sum<8>(gu, red, ks);
-    if (wk == 0 && r0 < G.out) {
-      const float kg = mma_unscale(G), ku = mma_unscale(U);
-      #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = r0 + g + 8 * h;
-        if (row >= G.out) continue;
-        #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const int t = t0 + 2 * j + q;
-          if (t >= grp.count) continue;
-          const float gv = gu[2 * h + q] * kg + (G.bias ? G.bias[row] : 0.0f);
-          const float uv = gu[4 + 2 * h + q] * ku + (U.bias ? U.bias[row] : 0.0f);
-          const float y = gv / (1.0f + __expf(-gv)) * uv;
-          if (frag_act) frag_store(reinterpret_cast<uint32_t*>(act) + size_t(grp.slots[t]) * act_stride, row, y);
-          else act[size_t(grp.slots[t]) * act_stride + row] = y;
-        }
-      }
-    }
+    if (wk == 0 && r0 < G.out)
+      store_gate_up_tile(G, U, grp, r0, t0, g, j, reinterpret_cast<const float(&)[4]>(gu[0]),
+                         reinterpret_cast<const float(&)[4]>(gu[4]), frag_act, act, act_stride);
     if (ks > 1) __syncthreads();  // red is reused by the next token group
   }
 }
@@ -496,22 +496,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32) grouped_down_frag_kernel(DMo
       for (int c = wk; c < D.in / kFragChunk; c += ks) slot_chunk_mma(slot_chunk_load(D, ra, rb, c, j), xr, c, j, acc);
     }
     tile_sum<4>(acc, red, ks);
-    if (wk == 0 && r0 < D.out) {
-      const float k = mma_unscale(D);
-      #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = r0 + g + 8 * h;
-        if (row >= D.out) continue;
-        #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const int t = t0 + 2 * j + q;
-          if (t >= grp.count) continue;
-          const int slot = grp.slots[t];
-          const float y = acc[2 * h + q] * k + (D.bias ? D.bias[row] : 0.0f);
-          out[size_t(slot) * D.out + row] = sh ? y : weights[slot] * y;
-        }
-      }
-    }
+    if (wk == 0 && r0 < D.out) store_down_tile(D, grp, r0, t0, g, j, sh, weights, acc, out);
     if (ks > 1) __syncthreads();
   }
 }
@@ -611,13 +596,12 @@ int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual
     fail("internal: DMoe holds experts ", m.first_expert, " + ", m.local_experts, " of ", m.router.experts);
   const int slots = batch * m.router.top_k + (m.has_shared ? batch : 0);
   const int hidden = m.router.w.in;
-  const bool grouped = s.out && m.tensor_cores && batch >= grouped_min_batch(s.xf && moe_takes_fragment_rows(m)) &&
-                       batch <= kMaxGroupTokens &&
+  // Fragment rows (slot_mma.cuh) in and out of gate/up where every matrix of that side takes them.
+  const bool frag_in = s.xf && moe_takes_fragment_rows(m);
+  const bool grouped = s.out && m.tensor_cores && batch >= grouped_min_batch(frag_in) && batch <= kMaxGroupTokens &&
                        (!m.has_shared || (on_tensor_cores(m.shared_gate) && on_tensor_cores(m.shared_up) &&
                                           on_tensor_cores(m.shared_down) && m.shared_gate.format == m.shared_up.format));
   if (grouped) {
-    // Fragment rows (slot_mma.cuh) in and out of gate/up where every matrix of that side takes them.
-    const bool frag_in = s.xf && moe_takes_fragment_rows(m);
     const bool frag_act = frag_in && m.slot_down_mma && (!m.has_shared || slot_mma_fits(m.shared_down));
     // Warps per tile: the fewest (longest rows per warp, least set-up per byte) that still give
     // four blocks per SM for the experts uniform routing is expected to select, and each warp at
