@@ -358,15 +358,17 @@ __global__ void __launch_bounds__(kClusterThreads, 1) route_cluster_kernel(DRout
     logits[size_t(t) * E + row] = l;
     *cooperative_groups::this_cluster().map_shared_rank(logit_s + t * E + row, 0) = l;
   }
-  if (norm.w && rank == 0)  // the normalized rows for the experts, in block_rms_norm's expression
-    for (int t = 0; t < batch; ++t) {
+  // The normalized rows for the experts, in block_rms_norm's expression, spread over the cluster's
+  // threads (every block has every token's scale): one block writing them took a memory latency
+  // per token and 1024 values.
+  if (norm.w)
+    for (int i = rank * kClusterThreads + tid; i < batch * (K / 4); i += int(gridDim.x) * kClusterThreads) {
+      const int t = i / (K / 4), k = i % (K / 4);
+      const float4 a = reinterpret_cast<const float4*>(x + size_t(t) * K)[k];
+      const float4 g = __ldg(reinterpret_cast<const float4*>(norm.w) + k);
       const float s = inv(t);
-      const float4* xt = reinterpret_cast<const float4*>(x + size_t(t) * K);
-      float4* ot = reinterpret_cast<float4*>(norm.out + size_t(t) * K);
-      for (int i = tid; i < K / 4; i += kClusterThreads) {
-        const float4 a = xt[i], g = __ldg(reinterpret_cast<const float4*>(norm.w) + i);
-        ot[i] = make_float4(g.x * (a.x * s), g.y * (a.y * s), g.z * (a.z * s), g.w * (a.w * s));
-      }
+      reinterpret_cast<float4*>(norm.out + size_t(t) * K)[k] =
+          make_float4(g.x * (a.x * s), g.y * (a.y * s), g.z * (a.z * s), g.w * (a.w * s));
     }
   cluster_sync();
   if (rank != 0 || warp >= batch) return;
