@@ -151,7 +151,10 @@ INSTANTIATE_TEST_SUITE_P(
                       // parts with a row block cut by the matrix end.
                       LinearCase{WeightFormat::NVFP4, 5120, 2048, 64}, LinearCase{WeightFormat::NVFP4, 2048, 4096, 32},
                       LinearCase{WeightFormat::BF16, 1000, 1024, 16}, LinearCase{WeightFormat::NVFP4, 700, 1344, 40},
-                      LinearCase{WeightFormat::NVFP4, 4096, 2048, 8}));
+                      LinearCase{WeightFormat::NVFP4, 4096, 2048, 8},
+                      // 16 warps a block (few tiles, K split over 16 warps; uneven at 65 chunks)
+                      LinearCase{WeightFormat::NVFP4, 2048, 4096, 2}, LinearCase{WeightFormat::NVFP4, 77, 4160, 3},
+                      LinearCase{WeightFormat::BF16, 200, 8192, 5}));
 
 // An RMSNorm of the input inside the product (one token on CUDA cores) or, where the kernel
 // cannot take it, launched first into norm.out: both against the CPU's norm then product.

@@ -104,16 +104,20 @@ __device__ __forceinline__ void store_tile(const DLinear& W, float* y, int r0, i
 // once (a_frag) and multiplied by the activations of G groups of 8 tokens, so the
 // dequantization, which bounds the tensor-core path, is paid once per 8G tokens; block row y of
 // the grid takes the tokens from 8 G y (small matrices give more blocks that way).
-template <int G>
-__global__ void __launch_bounds__(kWarps * 32, 2) mma_linear_wide_kernel(Jobs jobs, const float* __restrict__ x, int nb,
-                                                                     int accumulate) {
+// NW warps per block: 8, or 16 where one group's 16-warp blocks all fit on the GPU at once, so
+// that twice the warps each walk half the chunks (o_proj at 2-8 tokens: Qwen3-30B-A3B's 128 tiles
+// left 2 warps per scheduler, each a chain of 8 chunks stalled on its loads most of the time;
+// GLM-4.5-Air's 256 tiles of 192 chunks a chain of 24).
+template <int G, int NW>
+__global__ void __launch_bounds__(NW * 32, 2) mma_linear_wide_kernel(Jobs jobs, const float* __restrict__ x,
+                                                                           int nb, int accumulate) {
   constexpr int kChunksInFlight = G == 1 ? 2 : 1;  // one group: two chunks' loads in flight
-  __shared__ float red[kWarps][4 * G][32];
+  __shared__ float red[NW][4 * G][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int blk = blockIdx.x, jb = 0;
   while (blk >= jobs.blocks[jb]) blk -= jobs.blocks[jb++];
   const DLinear& W = jobs.j[jb].w;
-  const int ks = jobs.ks[jb], tiles = kWarps / ks;
+  const int ks = jobs.ks[jb], tiles = NW / ks;
   const int r0 = (blk * tiles + warp / ks) * 16, wk = warp % ks;
   const int t0 = int(blockIdx.y) * 8 * G;
   if (blockIdx.y == 0) prefetch_rows_l2(W, blk * tiles * 16, tiles * 16);
@@ -395,6 +399,18 @@ int linear_fill() {
   return v;
 }
 
+// Blocks of 16 warps the wide kernel holds on the GPU at once: one group of tokens whose tiles
+// fit in that many blocks takes 16 warps a block (KESTREL_LINEAR_WIDE16=0: never, for A/B runs).
+int linear_wide16_blocks() {
+  static const int v = [] {
+    if (!env_switch("KESTREL_LINEAR_WIDE16")) return 0;
+    int per_sm = 0;
+    KESTREL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, mma_linear_wide_kernel<1, 16>, 16 * 32, 0));
+    return per_sm * sm_count();
+  }();
+  return v;
+}
+
 // Passes of at least this many tokens take the tiled kernel for large matrices whose jobs share
 // one format (KESTREL_LINEAR_TILED: 0 never, else the smallest pass, for A/B runs). Measured on
 // Qwen3-30B-A3B shapes with K split (docs/PERF.md v21): batch 8 -1.8% per step, batch 4 +6%.
@@ -514,15 +530,15 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
     const bool mma = pass_on_mma(jobs, njobs, batch - b0);
     nb = std::min(mma ? 64 : 8, batch - b0);
     const float* xb = x + size_t(b0) * jobs[0].w.in;
-    // Blocks of (kWarps / ks) tiles of rows_per_tile rows; the tiled kernel has one warp per tile.
-    auto jobs_for = [&](int rows_per_tile, bool tiled) {
+    // Blocks of (warps / ks) tiles of rows_per_tile rows; the tiled kernel has one warp per tile.
+    auto jobs_for = [&](int rows_per_tile, bool tiled, int warps = kWarps) {
       Jobs J{};
       J.n = njobs;
       for (int i = 0; i < njobs; ++i) {
         J.j[i] = jobs[i];
         J.j[i].y = jobs[i].y + size_t(b0) * jobs[i].w.out;
-        J.ks[i] = tiled ? 1 : mma ? mma_warps_per_tile(jobs[i].w.in) : warps_per_row(jobs[i].w);
-        const int rows_per_block = (kWarps / J.ks[i]) * rows_per_tile;
+        J.ks[i] = tiled ? 1 : mma ? mma_warps_per_tile(jobs[i].w.in, warps) : warps_per_row(jobs[i].w);
+        const int rows_per_block = (warps / J.ks[i]) * rows_per_tile;
         J.blocks[i] = (jobs[i].w.out + rows_per_block - 1) / rows_per_block;
         J.blocks_total += J.blocks[i];
       }
@@ -544,10 +560,19 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
     } else if (mma) {
       // Fewer groups per block, in more block rows, where the tiles alone give under two blocks
       // per SM (o_proj of Qwen3-30B-A3B is 128 blocks; docs/PERF.md v14 has the A/B of 0, 1 and 2).
-      const Jobs J = jobs_for(16, false);
+      Jobs J = jobs_for(16, false);
       const int G = groups_per_block(nb, J.blocks_total, linear_fill() * sm_count());
-      const dim3 grid(unsigned(J.blocks_total), unsigned((groups + G - 1) / G)), block(kWarps * 32);
-      by_groups(G, [&](auto g) { launch(mma_linear_wide_kernel<g()>, grid, block, 0, s, J, xb, nb, acc); });
+      // One group whose tiles give few blocks: 16 warps a block where every tile splits over 16 and
+      // the blocks still fit at once.
+      bool w16 = G == 1 && J.blocks_total <= linear_wide16_blocks();
+      if (w16) {
+        const Jobs J16 = jobs_for(16, false, 16);
+        for (int i = 0; i < njobs; ++i) w16 &= J16.ks[i] == 16;
+        if (w16) J = J16;
+      }
+      const dim3 grid(unsigned(J.blocks_total), unsigned((groups + G - 1) / G)), block((w16 ? 16 : kWarps) * 32);
+      if (w16) launch(mma_linear_wide_kernel<1, 16>, grid, block, 0, s, J, xb, nb, acc);
+      else by_groups(G, [&](auto g) { launch(mma_linear_wide_kernel<g(), kWarps>, grid, block, 0, s, J, xb, nb, acc); });
     } else {
       by_batch(nb, [&](auto B) {
         const Jobs J = jobs_for(rows_per_warp<B()>(), false);

@@ -213,11 +213,11 @@ __host__ __device__ inline float mma_unscale(const DLinear& W) {
   return W.format == DFormat::NVFP4 ? kMmaUnscale * W.scale2 : kMmaUnscaleDense;
 }
 
-// Warps that split one 16-row tile's chunks: at least 4 chunks each, at most 8 warps.
-__host__ __device__ inline int mma_warps_per_tile(int K) {
+// Warps that split one 16-row tile's chunks: at least 4 chunks each, at most `most` warps.
+__host__ __device__ inline int mma_warps_per_tile(int K, int most = 8) {
   const int chunks = K / 64;
   int ks = 1;
-  while (ks < 8 && ks * 4 <= chunks) ks *= 2;
+  while (ks < most && ks * 4 <= chunks) ks *= 2;
   return ks;
 }
 
