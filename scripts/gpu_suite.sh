@@ -166,7 +166,10 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   KESTREL_MOE_FRAG=0 bench qwen3-30b-a3b-no-frag --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
     --batch 4,8,16,32,64 --context 1024 --steps 50
   KESTREL_PDL=0 bench qwen3-30b-a3b-no-pdl --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 50
-  bench glm-4.5-air --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,2,8 --context 1024 --steps 30
+  bench glm-4.5-air --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,2,4,8 --context 1024 --steps 30
+  # o at 2-7 tokens in 8-warp blocks instead of 16 (256 tiles of 192 chunks).
+  KESTREL_LINEAR_WIDE16=0 bench glm-4.5-air-wide8 --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 2,4 \
+    --context 1024 --steps 30
   # MLA models are larger than one GPU: slices of 5 and 9 layers (3 dense + 2 or 6 MoE); the
   # difference gives one MoE layer's time and floor, extrapolated to the full depth below.
   for m in glm-5 deepseek-v3; do
