@@ -21,6 +21,7 @@
 #include "backend/cuda/mla.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/norm_rope.h"
+#include "common/env.h"
 #include "common/numeric.h"
 #include "../unit/fixture.h"
 #include "device_buffer.h"
@@ -156,12 +157,30 @@ INSTANTIATE_TEST_SUITE_P(
                       LinearCase{WeightFormat::NVFP4, 2048, 4096, 2}, LinearCase{WeightFormat::NVFP4, 77, 4160, 3},
                       LinearCase{WeightFormat::BF16, 200, 8192, 5}));
 
+// Element e of n-wide fragment rows (slot_mma.cuh's frag_word layout: hi + lo FP16 parts of
+// value / 16), read back on the host.
+std::vector<float> unfrag(const std::vector<uint32_t>& f, int rows, int n) {
+  std::vector<float> v(size_t(rows) * size_t(n));
+  const auto* h = reinterpret_cast<const uint16_t*>(f.data());
+  for (int r = 0; r < rows; ++r)
+    for (int e = 0; e < n; ++e) {
+      const int c = e >> 7, j = (e >> 5) & 3, q = e & 31, i = q >> 3, m = q & 3, half = (q & 7) >> 2;
+      const size_t w = size_t(r) * n + size_t(((c * 8 + 2 * i + (m >> 1)) * 4 + j) * 4 + (m & 1));
+      v[size_t(r) * n + e] = 16.0f * (f16_to_f32(h[2 * w + half]) + f16_to_f32(h[2 * (w + 2) + half]));
+    }
+  return v;
+}
+
 // An RMSNorm of the input inside the product (one token on CUDA cores) or, where the kernel
-// cannot take it, launched first into norm.out: both against the CPU's norm then product.
+// cannot take it, launched first into norm.out, with and without room for fragment rows (which
+// 2-7 tokens of NVFP4 rows of whole 128-weight chunks then take, K in uneven shares at 640):
+// against the CPU's norm then product.
 TEST(CudaOps, LinearWithNormMatchesCpu) {
   std::mt19937 rng(21);
   for (const LinearCase& p : {LinearCase{WeightFormat::NVFP4, 300, 2048, 1}, LinearCase{WeightFormat::NVFP4, 64, 784, 1},
-                              LinearCase{WeightFormat::NVFP4, 129, 784, 3}, LinearCase{WeightFormat::BF16, 300, 2048, 1}}) {
+                              LinearCase{WeightFormat::NVFP4, 129, 784, 3}, LinearCase{WeightFormat::BF16, 300, 2048, 1},
+                              LinearCase{WeightFormat::NVFP4, 300, 2048, 2}, LinearCase{WeightFormat::NVFP4, 2048, 4096, 5},
+                              LinearCase{WeightFormat::NVFP4, 77, 640, 7}, LinearCase{WeightFormat::BF16, 200, 2048, 3}}) {
     RandomLinear W(p.out, p.in, p.format, rng, true);
     const auto x = test::random_floats(size_t(p.batch) * p.in, rng, 3.0f);
     const auto g = test::random_floats(size_t(p.in), rng);
@@ -169,15 +188,25 @@ TEST(CudaOps, LinearWithNormMatchesCpu) {
     cpu::rms_norm(x.data(), g.data(), p.batch, p.in, 1e-5f, xn.data());
     ThreadPool pool(1);
     cpu::linear(W.host, xn.data(), p.batch, ref.data(), pool);
-    DeviceBuffer<float> dx(x), dg(g), dy(ref.size()), dxn(x.size());
-    dy.poison(), dxn.poison();
-    const cuda::LinearJob job{W.dev, dy.get()};
-    const bool fused = cuda::linear_fuses_norm(&job, 1, p.batch);
-    EXPECT_EQ(fused, p.format == WeightFormat::NVFP4 && p.batch == 1) << p.out << " x " << p.in << ", batch " << p.batch;
-    cuda::launch_linear(&job, 1, dx.get(), p.batch, false, nullptr, cuda::RowNorm{dg.get(), 1e-5f, dxn.get()});
-    EXPECT_LE(test::rel_err(dy.download(), ref), kTol) << p.out << " x " << p.in << ", batch " << p.batch;
-    if (!fused) {
-      EXPECT_LE(test::rel_err(dxn.download(), xn), kTol) << "the normalized rows, batch " << p.batch;
+    for (const bool frag : {false, true}) {
+      DeviceBuffer<float> dx(x), dg(g), dy(ref.size()), dxn(x.size());
+      DeviceBuffer<uint32_t> dxf(x.size());
+      dy.poison(), dxn.poison(), dxf.poison();
+      const cuda::LinearJob job{W.dev, dy.get()};
+      const bool fused = cuda::linear_fuses_norm(&job, 1, p.batch);
+      EXPECT_EQ(fused, p.format == WeightFormat::NVFP4 && p.batch == 1) << p.out << " x " << p.in << ", batch " << p.batch;
+      cuda::launch_linear(&job, 1, dx.get(), p.batch, false, nullptr,
+                          cuda::RowNorm{dg.get(), 1e-5f, dxn.get(), frag ? dxf.get() : nullptr});
+      EXPECT_LE(test::rel_err(dy.download(), ref), kTol)
+          << p.out << " x " << p.in << ", batch " << p.batch << (frag ? ", fragment rows" : "");
+      if (!fused) {
+        EXPECT_LE(test::rel_err(dxn.download(), xn), kTol) << "the normalized rows, batch " << p.batch;
+      }
+      // The fragment rows are made (and so read) exactly where they should be.
+      const bool takes = frag && env_switch("KESTREL_LINEAR_FRAG") && p.format == WeightFormat::NVFP4 &&
+                         p.batch >= 2 && p.in % 128 == 0;
+      if (takes) EXPECT_LE(test::rel_err(unfrag(dxf.download(), p.batch, p.in), xn), 1e-6) << "fragment rows";
+      else EXPECT_EQ(dxf.download(), std::vector<uint32_t>(x.size(), 0xffffffffu)) << "fragment rows written";
     }
   }
 }
@@ -203,6 +232,30 @@ TEST(CudaOps, ThreeJobsInOneLaunch) {
   RandomLinear a(128, 256, WeightFormat::NVFP4, rng, true), b(32, 256, WeightFormat::NVFP4, rng, true),
       c(32, 256, WeightFormat::BF16, rng, true);
   check_three_jobs(a, b, c, 2, rng);
+}
+
+// q, k and v of 3 tokens from fragment rows made by their RMSNorm: each job's rows from one x.
+TEST(CudaOps, ThreeJobsFromFragmentRows) {
+  std::mt19937 rng(9);
+  const int B = 3, in = 2048;
+  RandomLinear a(512, in, WeightFormat::NVFP4, rng, true), b(64, in, WeightFormat::NVFP4, rng, true),
+      c(64, in, WeightFormat::NVFP4, rng, true);
+  const auto x = test::random_floats(size_t(B) * in, rng, 3.0f);
+  const auto g = test::random_floats(size_t(in), rng);
+  std::vector<float> xn(x.size());
+  cpu::rms_norm(x.data(), g.data(), B, in, 1e-5f, xn.data());
+  DeviceBuffer<float> dx(x), dg(g), dxn(x.size()), ya(size_t(B) * a.host.out), yb(size_t(B) * b.host.out),
+      yc(size_t(B) * c.host.out);
+  DeviceBuffer<uint32_t> dxf(x.size());
+  ya.poison(), yb.poison(), yc.poison(), dxf.poison();
+  const cuda::LinearJob jobs[3] = {{a.dev, ya.get()}, {b.dev, yb.get()}, {c.dev, yc.get()}};
+  cuda::launch_linear(jobs, 3, dx.get(), B, false, nullptr, cuda::RowNorm{dg.get(), 1e-5f, dxn.get(), dxf.get()});
+  ThreadPool pool(1);
+  for (auto [w, y] : {std::pair{&a, &ya}, std::pair{&b, &yb}, std::pair{&c, &yc}}) {
+    std::vector<float> ref(size_t(B) * w->host.out);
+    cpu::linear(w->host, xn.data(), B, ref.data(), pool);
+    EXPECT_LE(test::rel_err(y->download(), ref), kTol) << w->host.out << " rows";
+  }
 }
 
 // q, k and v in one launch of the split tiled kernel: the parts of a row block belong to one job.

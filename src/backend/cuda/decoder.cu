@@ -107,6 +107,7 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
   const size_t nq = size_t(c.num_heads), nkv = size_t(c.num_kv_heads);
   x_ = buffer<float>(B * H);
   xn_ = buffer<float>(B * H);
+  if (B >= 2 && !c.is_mla()) xf_ = buffer<uint32_t>(B * H);
   split_ = attention_split(max_context);
   const size_t seqs = one_sequence ? 1 : B, ctx = size_t(max_context);
   table_stride_ = int(KvBlockPool::blocks_for(max_context));
@@ -370,11 +371,12 @@ void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, Logits rows, bool 
   for (int l = 0; l < nL; ++l) {
     const DLayer& L = m_.layers()[size_t(l)];
     // Unsplit, the RMSNorms before q/k/v and before the router run inside those kernels where
-    // they can (one token): a launch and a wait fewer each.
+    // they can (one token): a launch and a wait fewer each. From 2 tokens launch_linear launches
+    // the one before q/k/v itself, which then also splits the rows for its tensor-core kernel.
     const LinearJob qkv[3] = {{L.q, q_}, {L.k, k_}, {L.v, v_}};
-    const bool fuse_attn_norm = !split && !c.is_mla() && linear_fuses_norm(qkv, 3, batch);
+    const bool norm_in_qkv = !split && !c.is_mla();
     const bool fuse_ffn_norm = !split && L.is_moe && route_fuses_norm(L.moe.router, batch);
-    if ((!split || l == 0) && !fuse_attn_norm) {
+    if ((!split || l == 0) && !norm_in_qkv) {
       launch_rms_norm(x_, L.attn_norm, batch, H, eps, xn_, s);
       op("rms_norm", 1, 2 * act * H);
     }
@@ -382,9 +384,10 @@ void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, Logits rows, bool 
       mla_attention(L, l, batch, out, !split, s, op);
     } else {
       const KvLayer kvl = kv(l);
-      if (fuse_attn_norm) launch_linear(qkv, 3, x_, batch, false, s, RowNorm{L.attn_norm, eps, nullptr});
+      if (norm_in_qkv) launch_linear(qkv, 3, x_, batch, false, s, RowNorm{L.attn_norm, eps, xn_, xf_});
       else launch_linear(qkv, 3, xn_, batch, false, s);
-      op("qkv_proj", 1, double(L.q.bytes() + L.k.bytes() + L.v.bytes()));
+      const int norm_launches = norm_in_qkv && !linear_fuses_norm(qkv, 3, batch) ? 1 : 0;  // launched by launch_linear
+      op("qkv_proj", 1 + norm_launches, double(L.q.bytes() + L.k.bytes() + L.v.bytes()));
       // QK norm, rotary embedding and the cache write: inside the attention kernel where it can.
       const QkPrep prep{k_, v_, L.q_norm, L.k_norm, eps, rope};
       const bool in_attention = attention_takes_qk_step(kvl, batch);

@@ -11,6 +11,7 @@
 #include "backend/cuda/mma_tiles.cuh"
 #include "backend/cuda/norm_rope.h"
 #include "backend/cuda/reduce.cuh"
+#include "backend/cuda/slot_mma.cuh"
 #include "common/env.h"
 
 namespace kestrel::cuda {
@@ -162,6 +163,44 @@ __global__ void __launch_bounds__(NW * 32, 2) mma_linear_wide_kernel(Jobs jobs, 
   }
   if (r0 >= W.out) return;
   store_tile<G>(W, jobs.j[jb].y + size_t(t0) * W.out, r0, lane, nb, acc, accumulate);
+}
+
+// One group of tokens (2-8) given as fragment rows (slot_mma.cuh; made by the normalization
+// before the product), every job NVFP4 with K % 128 == 0: the wide kernel's blocks and K split,
+// over the 128-weight chunks of slot_mma.cuh with lane (g, j) passing token g's row, as the grouped
+// MoE kernels do, so that no tile splits the activations itself (37% of the wide kernel's
+// instructions per chunk).
+__global__ void __launch_bounds__(kWarps * 32, 2) mma_linear_frag_kernel(Jobs jobs, const uint32_t* __restrict__ xf,
+                                                                     int nb, int accumulate) {
+  __shared__ float red[kWarps][4][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int blk = blockIdx.x, jb = 0;
+  while (blk >= jobs.blocks[jb]) blk -= jobs.blocks[jb++];
+  const DLinear& W = jobs.j[jb].w;
+  const int ks = jobs.ks[jb], tiles = kWarps / ks;
+  const int r0 = (blk * tiles + warp / ks) * 16, wk = warp % ks;
+  prefetch_rows_l2(W, blk * tiles * 16, tiles * 16);
+  pdl_enter();
+  const int g = lane >> 2, j = lane & 3;
+  const int ra = min(r0 + g, W.out - 1), rb = min(r0 + g + 8, W.out - 1);
+  // Lanes past the batch repeat its last token: their columns are not stored.
+  const uint32_t* xr = xf + size_t(min(g, nb - 1)) * W.in;
+  float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+  if (r0 < W.out) {
+    #pragma unroll 4
+    for (int c = wk; c < W.in / kFragChunk; c += ks) slot_chunk_mma(slot_chunk_load(W, ra, rb, c, j), xr, c, j, acc[0]);
+  }
+  if (ks > 1) {
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp][i][lane] = acc[0][i];
+    __syncthreads();
+    if (wk != 0) return;
+    for (int w = warp + 1; w < warp + ks; ++w)
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) acc[0][i] += red[w][i][lane];
+  }
+  if (r0 >= W.out) return;
+  store_tile<1>(W, jobs.j[jb].y, r0, lane, nb, acc, accumulate);
 }
 
 // 8..64 tokens, tiled: a block holds kWarps tiles of 16 rows (128 rows) and G groups of 8 tokens,
@@ -511,12 +550,33 @@ bool linear_fuses_norm(const LinearJob* jobs, int njobs, int batch) {
   return in % 4 == 0 && in <= kRowNormMax;
 }
 
+namespace {
+// Whether a pass of `batch` tokens may read its input as fragment rows made by the normalization
+// before it (mma_linear_frag_kernel: one pass of one group on the wide kernel, every job NVFP4 of
+// whole 128-weight chunks; KESTREL_LINEAR_FRAG=0: never, for A/B runs).
+bool linear_takes_frag(const LinearJob* jobs, int njobs, int batch) {
+  static const bool on = env_switch("KESTREL_LINEAR_FRAG");
+  if (!on || batch < mma_min_batch() || batch > 8 || batch >= linear_tiled_min() || jobs[0].w.in > kRowNormMax)
+    return false;
+  for (int i = 0; i < njobs; ++i)
+    if (!slot_mma_fits(jobs[i].w) || jobs[i].w.in != jobs[0].w.in) return false;
+  return true;
+}
+}  // namespace
+
 void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, bool accumulate, cudaStream_t s,
                    RowNorm norm) {
   if (njobs < 1 || njobs > 3) fail("internal: launch_linear takes 1 to 3 jobs");
+  const uint32_t* xf = nullptr;  // the input as fragment rows, where the normalization made them
   if (norm.w && !linear_fuses_norm(jobs, njobs, batch)) {
-    if (!norm.out) fail("internal: launch_linear cannot fuse this normalization and has no buffer for it");
-    launch_rms_norm(x, norm.w, batch, jobs[0].w.in, norm.eps, norm.out, s);
+    const bool frag = norm.frag && linear_takes_frag(jobs, njobs, batch);
+    if (!norm.out && !frag) fail("internal: launch_linear cannot fuse this normalization and has no buffer for it");
+    if (frag) {
+      launch_rms_norm_frag(x, norm.w, batch, jobs[0].w.in, norm.eps, norm.out, norm.frag, s);
+      xf = norm.frag;
+    } else {
+      launch_rms_norm(x, norm.w, batch, jobs[0].w.in, norm.eps, norm.out, s);
+    }
     x = norm.out;
     norm = RowNorm{};
   }
@@ -563,16 +623,21 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
       Jobs J = jobs_for(16, false);
       const int G = groups_per_block(nb, J.blocks_total, linear_fill() * sm_count());
       // One group whose tiles give few blocks: 16 warps a block where every tile splits over 16 and
-      // the blocks still fit at once.
-      bool w16 = G == 1 && J.blocks_total <= linear_wide16_blocks();
+      // the blocks still fit at once (the float input only: q/k/v from fragment rows have many tiles).
+      bool w16 = !xf && G == 1 && J.blocks_total <= linear_wide16_blocks();
       if (w16) {
         const Jobs J16 = jobs_for(16, false, 16);
         for (int i = 0; i < njobs; ++i) w16 &= J16.ks[i] == 16;
         if (w16) J = J16;
       }
       const dim3 grid(unsigned(J.blocks_total), unsigned((groups + G - 1) / G)), block((w16 ? 16 : kWarps) * 32);
-      if (w16) launch(mma_linear_wide_kernel<1, 16>, grid, block, 0, s, J, xb, nb, acc);
-      else by_groups(G, [&](auto g) { launch(mma_linear_wide_kernel<g(), kWarps>, grid, block, 0, s, J, xb, nb, acc); });
+      if (xf) {  // one pass of one group (linear_takes_frag)
+        launch(mma_linear_frag_kernel, grid, block, 0, s, J, xf, nb, acc);
+      } else if (w16) {
+        launch(mma_linear_wide_kernel<1, 16>, grid, block, 0, s, J, xb, nb, acc);
+      } else {
+        by_groups(G, [&](auto g) { launch(mma_linear_wide_kernel<g(), kWarps>, grid, block, 0, s, J, xb, nb, acc); });
+      }
     } else {
       by_batch(nb, [&](auto B) {
         const Jobs J = jobs_for(rows_per_warp<B()>(), false);

@@ -15,7 +15,10 @@ struct LinearJob {
 
 // x: [batch, in] float32. If `accumulate`, y += result (residual add), else y = result.
 // With norm.w, x is first normalized (RMSNorm): inside the product's kernel where
-// linear_fuses_norm says it can be, else by a separate launch into norm.out, which must then be set.
+// linear_fuses_norm says it can be, else by a separate launch into norm.out, which must then be
+// set; where norm.frag is set and the tensor-core kernel can take them (2-7 tokens, NVFP4 rows of
+// whole 128-weight chunks), that launch also writes the rows into it as fragment rows, which the
+// product then reads (norm.out may then be null).
 void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, bool accumulate, cudaStream_t s,
                    RowNorm norm = {});
 

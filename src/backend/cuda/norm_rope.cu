@@ -3,6 +3,7 @@
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/norm_rope.h"
 #include "backend/cuda/reduce.cuh"
+#include "backend/cuda/slot_mma.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -27,6 +28,38 @@ __global__ void __launch_bounds__(kRowNormThreads) rms_norm_kernel(const float* 
   for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
   const float inv = rsqrtf(block_sum(ss, red) / float(n) + eps);
   for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = w[i] * (xr[i] * inv);
+}
+
+// As rms_norm_kernel's first path, the rows also (or only, out null) as fragment rows.
+__global__ void __launch_bounds__(kRowNormThreads) rms_norm_frag_kernel(const float* __restrict__ x,
+                                                                        const float* __restrict__ w, int n, float eps,
+                                                                        float* __restrict__ out,
+                                                                        uint32_t* __restrict__ xf) {
+  __shared__ float red[32];
+  const float* xr = x + size_t(blockIdx.x) * n;
+  float4 g[kRowNormPer];
+  row_norm_weights(w, n, g);
+  pdl_enter();
+  float4 xv[kRowNormPer];
+  float ss = 0.0f;
+  #pragma unroll
+  for (int i = 0; i < kRowNormPer; ++i) {
+    const int j = threadIdx.x + i * kRowNormThreads;
+    xv[i] = j < n / 4 ? reinterpret_cast<const float4*>(xr)[j] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    ss += xv[i].x * xv[i].x + xv[i].y * xv[i].y + xv[i].z * xv[i].z + xv[i].w * xv[i].w;
+  }
+  const float inv = rsqrtf(block_sum(ss, red) / float(n) + eps);
+  uint32_t* f = xf + size_t(blockIdx.x) * n;
+  #pragma unroll
+  for (int i = 0; i < kRowNormPer; ++i) {
+    const int j = threadIdx.x + i * kRowNormThreads;
+    if (j >= n / 4) continue;
+    // block_rms_norm's expression, so that both forms hold the same values
+    const float4 v = make_float4(g[i].x * (xv[i].x * inv), g[i].y * (xv[i].y * inv), g[i].z * (xv[i].z * inv),
+                                 g[i].w * (xv[i].w * inv));
+    if (out) reinterpret_cast<float4*>(out + size_t(blockIdx.x) * n)[j] = v;
+    frag_store(f, 4 * j, v.x), frag_store(f, 4 * j + 1, v.y), frag_store(f, 4 * j + 2, v.z), frag_store(f, 4 * j + 3, v.w);
+  }
 }
 
 // One block per (token, head); heads [0, nq) are queries, [nq, nq + nkv) keys (values are
@@ -78,6 +111,13 @@ __global__ void qk_rope_store_kernel(float* __restrict__ q, const float* __restr
 
 void launch_rms_norm(const float* x, const float* w, int rows, int n, float eps, float* out, cudaStream_t s) {
   launch(rms_norm_kernel, dim3(unsigned(rows)), dim3(kRowNormThreads), 0, s, x, w, n, eps, out);
+  KESTREL_CUDA_LAUNCHED();
+}
+
+void launch_rms_norm_frag(const float* x, const float* w, int rows, int n, float eps, float* out, uint32_t* xf,
+                          cudaStream_t s) {
+  if (n % kFragChunk != 0 || n > kRowNormMax) fail("internal: fragment rows of ", n, " values");
+  launch(rms_norm_frag_kernel, dim3(unsigned(rows)), dim3(kRowNormThreads), 0, s, x, w, n, eps, out, xf);
   KESTREL_CUDA_LAUNCHED();
 }
 

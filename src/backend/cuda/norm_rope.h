@@ -12,6 +12,11 @@ namespace kestrel::cuda {
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for `rows` rows of n floats.
 void launch_rms_norm(const float* x, const float* w, int rows, int n, float eps, float* out, cudaStream_t s);
 
+// The same rows into out (unless null) and as fragment rows (slot_mma.cuh) into xf [rows, n]
+// words, for a tensor-core product that takes them; n % 128 == 0, n <= kRowNormMax.
+void launch_rms_norm_frag(const float* x, const float* w, int rows, int n, float eps, float* out, uint32_t* xf,
+                          cudaStream_t s);
+
 struct RopeArgs {
   const float* inv_freq = nullptr;  // [rotary_dim / 2]
   float scaling = 1.0f;
