@@ -30,7 +30,8 @@ __global__ void __launch_bounds__(kRowNormThreads) rms_norm_kernel(const float* 
   for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = w[i] * (xr[i] * inv);
 }
 
-// As rms_norm_kernel's first path, the rows also (or only, out null) as fragment rows.
+// rms_norm_kernel's first path (block_rms_norm's loads and expression) writing the rows as fragment
+// rows, and as floats too unless out is null.
 __global__ void __launch_bounds__(kRowNormThreads) rms_norm_frag_kernel(const float* __restrict__ x,
                                                                         const float* __restrict__ w, int n, float eps,
                                                                         float* __restrict__ out,

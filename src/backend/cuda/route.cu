@@ -359,8 +359,7 @@ __global__ void __launch_bounds__(kClusterThreads, 1) route_cluster_kernel(DRout
     *cooperative_groups::this_cluster().map_shared_rank(logit_s + t * E + row, 0) = l;
   }
   // The normalized rows for the experts, in block_rms_norm's expression, spread over the cluster's
-  // threads (every block has every token's scale): one block writing them took a memory latency
-  // per token and 1024 values.
+  // threads (every block has every token's scale; the first block alone took them a token at a time).
   if (norm.w)
     for (int i = rank * kClusterThreads + tid; i < batch * (K / 4); i += int(gridDim.x) * kClusterThreads) {
       const int t = i / (K / 4), k = i % (K / 4);
