@@ -163,6 +163,9 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   # q/k/v and o on the wide kernel instead of the tiled one with K split over clusters.
   KESTREL_LINEAR_SPLIT=0 bench qwen3-30b-a3b-no-split --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
     --batch 8,16,32,64 --context 1024 --steps 50
+  # q/k/v at 2-7 tokens from the normalized floats, each tile splitting them, instead of fragment rows.
+  KESTREL_LINEAR_FRAG=0 bench qwen3-30b-a3b-qkv-floats --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
+    --batch 2,4 --context 1024 --steps 50
   KESTREL_MOE_FRAG=0 bench qwen3-30b-a3b-no-frag --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
     --batch 4,8,16,32,64 --context 1024 --steps 50
   KESTREL_PDL=0 bench qwen3-30b-a3b-no-pdl --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 50
