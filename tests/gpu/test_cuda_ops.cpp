@@ -164,8 +164,8 @@ std::vector<float> unfrag(const std::vector<uint32_t>& f, int rows, int n) {
   const auto* h = reinterpret_cast<const uint16_t*>(f.data());
   for (int r = 0; r < rows; ++r)
     for (int e = 0; e < n; ++e) {
-      const int c = e >> 7, j = (e >> 5) & 3, q = e & 31, i = q >> 3, m = q & 3, half = (q & 7) >> 2;
-      const size_t w = size_t(r) * n + size_t(((c * 8 + 2 * i + (m >> 1)) * 4 + j) * 4 + (m & 1));
+      const int c = e >> 7, j = (e >> 5) & 3, i = (e >> 3) & 3, k = e & 7, half = (k >> 1) & 1;
+      const size_t w = size_t(r) * n + size_t(((c * 8 + 2 * i + (k >> 2)) * 4 + j) * 4 + (k & 1));
       v[size_t(r) * n + e] = 16.0f * (f16_to_f32(h[2 * w + half]) + f16_to_f32(h[2 * (w + 2) + half]));
     }
   return v;
@@ -417,8 +417,8 @@ TEST(CudaOps, RoutingMatchesCpu) {
 }
 
 // The router normalizing its input (in its kernel for one token or in the one-cluster kernel,
-// else by a launch first) leaves the normalized rows for the experts and routes as the CPU does
-// after its own norm. The one-cluster kernel: 8 and 16 rows a block, one and two 8-weight groups
+// else by a launch first) leaves the normalized rows for the experts, as floats and where asked
+// as fragment rows, and routes as the CPU does after its own norm. The one-cluster kernel: 8 and 16 rows a block, one and two 8-weight groups
 // per thread and round (4096 wide), BF16 and F32, one token and three.
 TEST(CudaOps, RoutingWithNormMatchesCpu) {
   std::mt19937 rng(25);
@@ -446,12 +446,18 @@ TEST(CudaOps, RoutingWithNormMatchesCpu) {
       DeviceBuffer<float> dx(x), dxn(x.size()), dw(size_t(B) * K), dl(size_t(B) * E);
       DeviceBuffer<int32_t> de(size_t(B) * K);
       DeviceBuffer<uint32_t> done(std::vector<uint32_t>(size_t(cuda::route_chunks(B)), 0));
-      dxn.poison(), dw.poison(), dl.poison(), de.poison();
+      DeviceBuffer<uint32_t> dxf(x.size());  // fragment rows too, where the width takes them
+      const bool frag = H % 128 == 0;
+      dxn.poison(), dw.poison(), dl.poison(), de.poison(), dxf.poison();
       EXPECT_EQ(cuda::route_fuses_norm(router, B), B == 1 || cuda::route_in_cluster(router, B));
       cuda::launch_route(router, dx.get(), B, dl.get(), done.get(), de.get(), dw.get(), nullptr,
-                         cuda::RowNorm{dg.get(), 1e-6f, dxn.get()});
+                         cuda::RowNorm{dg.get(), 1e-6f, dxn.get(), frag ? dxf.get() : nullptr});
       const std::string what = rc.name(B);
-      EXPECT_LE(test::rel_err(dxn.download(), xn), kTol) << what << ": the normalized rows";
+      const std::vector<float> got_xn = dxn.download();
+      EXPECT_LE(test::rel_err(got_xn, xn), kTol) << what << ": the normalized rows";
+      if (frag) {
+        EXPECT_LE(test::rel_err(unfrag(dxf.download(), B, H), got_xn), 1e-6) << what << ": the fragment rows";
+      }
       EXPECT_LE(test::rel_err(dl.download(), logits), kTol) << what;
       expect_routing(de, dw, ref, K, what);
     }
@@ -466,7 +472,9 @@ TEST(CudaOps, RoutingWithNormMatchesCpu) {
 // parts of 3 and 2; a shared expert twice as wide: two rounds of loads per part). The grouped
 // kernels take NVFP4 matrices whose inputs are multiples of 128 wide in fragment rows (slot_mma.cuh):
 // gate/up of 128-, 256-, 512- and 640-wide inputs, down of 128-, 512-, 640- and 1024-wide ones
-// (the suite reruns this test with KESTREL_MOE_FRAG=0).
+// (the suite reruns this test with KESTREL_MOE_FRAG=0); so does gate/up at one token (one chunk
+// a warp at 128; 5 chunks over 2 warps at 640), writing floats for the CUDA-core down kernel at
+// 128 x 64 and fragment rows for the tensor-core one elsewhere.
 struct MoeCase {
   int H, I;
   WeightFormat f;
@@ -519,6 +527,9 @@ TEST(CudaOps, MoeMatchesCpu) {
     cuda::describe_experts(dm, dg, du, dd);
     ASSERT_EQ(dm.tensor_cores, mc.grouped ? 1 : 0);
     ASSERT_EQ(dm.slot_down_mma, mc.slot_down_mma ? 1 : 0);
+    if (!std::getenv("KESTREL_MOE_FRAG") && !std::getenv("KESTREL_MOE_ONE_TOKEN_MMA")) {  // one token's gate/up
+      EXPECT_EQ(cuda::moe_one_token_takes_fragment_rows(dm), mc.f == WeightFormat::NVFP4 && H % 128 == 0);
+    }
     dm.local_experts = E;
     // Expert parallelism: a rank holding experts E/2 .. E-1 (and no shared expert) adds only theirs.
     cuda::DMoe half = dm;

@@ -198,12 +198,10 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
     const size_t chunks = size_t(route_chunks(max_batch));
     moe_.route_done = buffer<uint32_t>(chunks);
     KESTREL_CUDA_CHECK(cudaMemset(moe_.route_done, 0, chunks * sizeof(uint32_t)));
-    if (B >= 2) {  // the expert-grouped kernels (KESTREL_MOE_GROUPED_MIN_BATCH)
-      moe_.out = buffer<float>(slots * H);
-      bool frag = false;
-      for (const DLayer& L : m_.layers()) frag |= L.is_moe && moe_takes_fragment_rows(L.moe);
-      if (frag) moe_.xf = buffer<uint32_t>(B * H);
-    }
+    if (B >= 2) moe_.out = buffer<float>(slots * H);  // the expert-grouped kernels (KESTREL_MOE_GROUPED_MIN_BATCH)
+    bool frag = false;  // the grouped kernels' input, and one token's gate/up
+    for (const DLayer& L : m_.layers()) frag |= L.is_moe && moe_takes_fragment_rows(L.moe);
+    if (frag) moe_.xf = buffer<uint32_t>(B * H);
   }
   guard.done = true;
 }
@@ -409,14 +407,16 @@ void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, Logits rows, bool 
       op("rms_norm", 1, 2 * act * H);
     }
     if (L.is_moe) {
+      // One token: the router's normalization also leaves the row as fragment rows for gate/up.
+      const bool xf_made = fuse_ffn_norm && batch == 1 && moe_.xf && moe_one_token_takes_fragment_rows(L.moe);
       if (fuse_ffn_norm)  // leaves the normalized row in xn_ for the experts
         launch_route(L.moe.router, x_, batch, moe_.logits, moe_.route_done, moe_.experts, moe_.weights, s,
-                     RowNorm{L.ffn_norm, eps, xn_});
+                     RowNorm{L.ffn_norm, eps, xn_, xf_made ? moe_.xf : nullptr});
       else
         launch_route(L.moe.router, xn_, batch, moe_.logits, moe_.route_done, moe_.experts, moe_.weights, s);
       op("router", 1, double(L.moe.router.w.bytes()));
       if (split) KESTREL_CUDA_CHECK(cudaMemsetAsync(part_, 0, size_t(batch) * H * 4, s));  // the experts add to it
-      const int expert_launches = launch_moe_experts(L.moe, xn_, batch, out, moe_, s);
+      const int expert_launches = launch_moe_experts(L.moe, xn_, batch, out, moe_, s, xf_made);
       // An expert-parallel rank holds local_experts of the num_experts; uniform routing touches its share.
       const double eb = double(m_.expert_bytes(size_t(l))) * expected_experts * L.moe.local_experts / double(c.num_experts);
       const double shared = L.moe.has_shared

@@ -16,6 +16,35 @@ __device__ __forceinline__ float e4m3_to_float(uint8_t v) {
   return float(s);
 }
 
+// Four E4M3 values (a word, low byte first) as two half2: bytes 0-1 into lo, 2-3 into hi, one
+// instruction each on Hopper (written in PTX so that hi reads the upper half without a shift).
+__device__ __forceinline__ void e4m3x4_h2(uint32_t u, uint32_t& lo, uint32_t& hi) {
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(u));
+}
+
+// Two E4M3 values (the low 16 bits of u) as a half2.
+__device__ __forceinline__ uint32_t e4m3x2_h2(uint32_t u) {
+  uint32_t h;
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, l;\n}" : "=r"(h) : "r"(u));
+  return h;
+}
+
+// The eight E2M1 codes of a word (code n in nibble n) as four half2 of code x 2^-6, by way of
+// E4M3: a code's sign and its 2 exponent and 1 mantissa bits are an E4M3 byte's sign, the low 2
+// bits of its exponent and the top bit of its mantissa (subnormals included), so two masks and
+// shifts per four codes make the bytes and the GPU converts each pair to FP16 in one instruction
+// (about 1.4 instructions per code, against 2.25 placing each pair in FP16 bits directly).
+// Pairs: h[t] = codes (f, f + 2), f = e2m1_pair_first(t): (0, 2), (1, 3), (4, 6), (5, 7).
+__device__ __forceinline__ void e2m1x8_h2(uint32_t w, uint32_t (&h)[4]) {
+  const uint32_t even = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);  // codes 0, 2, 4, 6
+  const uint32_t odd = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);         // codes 1, 3, 5, 7
+  e4m3x4_h2(even, h[0], h[2]);
+  e4m3x4_h2(odd, h[1], h[3]);
+}
+__host__ __device__ constexpr int e2m1_pair_first(int t) { return (t & 1) + 4 * (t >> 1); }
+
 // Two E2M1 codes (one byte, low nibble first) as FP16 values scaled by 2^-14: the 3 magnitude
 // bits land in the FP16 exponent/mantissa so that subnormals come out right too.
 __device__ __forceinline__ float2 e2m1x2_scaled(uint32_t byte) {

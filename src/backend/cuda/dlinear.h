@@ -34,8 +34,9 @@ struct RowNorm {
   const float* w = nullptr;  // null: no normalization
   float eps = 0.0f;
   float* out = nullptr;      // where a kernel also leaves the normalized rows for later kernels (or null)
-  uint32_t* frag = nullptr;  // launch_linear: room for the rows as fragment rows (slot_mma.cuh), which
-                             // its tensor-core kernel then reads instead of splitting them per tile
+  uint32_t* frag = nullptr;  // room for the rows as fragment rows (slot_mma.cuh), which tensor-core kernels
+                             // then read instead of splitting them per tile: launch_linear writes them where
+                             // its kernel takes them, launch_route always (for one token's experts)
 };
 
 }  // namespace kestrel::cuda

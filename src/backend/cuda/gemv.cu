@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(NW * 32, 2) mma_linear_wide_kernel(Jobs jobs, 
 // over the 128-weight chunks of slot_mma.cuh with lane (g, j) passing token g's row, as the grouped
 // MoE kernels do, so that no tile splits the activations itself (37% of the wide kernel's
 // instructions per chunk).
-__global__ void __launch_bounds__(kWarps * 32, 2) mma_linear_frag_kernel(Jobs jobs, const uint32_t* __restrict__ xf,
+__global__ void __launch_bounds__(kWarps * 32, 3) mma_linear_frag_kernel(Jobs jobs, const uint32_t* __restrict__ xf,
                                                                      int nb, int accumulate) {
   __shared__ float red[kWarps][4][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -1,13 +1,14 @@
 // NVFP4 and BF16 weights times groups of up to 8 activation rows on tensor cores: mma.sync m16n8k16 with FP16
 // inputs and FP32 accumulation. A warp holds a 16-row tile; lane (g, j) = (lane / 4, lane % 4) reads,
 // per 64-weight chunk, the 16-weight block j of rows g and g + 8 (8 bytes of codes and one scale
-// each) and the same 16 activations of token g. The four k-steps of a chunk pair the codes
-// (t, t + 4) and (8 + t, 12 + t) of that block as the fragment's k (2j, 2j + 1) and (2j + 8,
-// 2j + 9); the activations are paired the same way, and since a dot product does not depend on
-// the order of k, the permutation needs no repacking of the checkpoint layout.
+// each) and the same 16 activations of token g. The four k-steps of a chunk pair the codes of
+// that block as e2m1x8_h2 makes them, (f, f + 2) and (8 + f, 10 + f) with f = e2m1_pair_first(t),
+// as the fragment's k (2j, 2j + 1) and (2j + 8, 2j + 9); the activations are paired the same way,
+// and since a dot product does not depend on the order of k, the permutation needs no repacking
+// of the checkpoint layout.
 //
-// Exactness: a code x 2^-14 (from the bits, see e2m1x8_scaled) times its E4M3 block scale x 2^7
-// is exact in FP16 (at most 5 significant bits, between 2^-17 and 21). Activations are scaled by
+// Exactness: a code x 2^-6 (through E4M3, see e2m1x8_h2) times its E4M3 block scale x 2^-1 is
+// exact in FP16 (at most 5 significant bits, between 2^-17 and 21). Activations are scaled by
 // 2^-4 and split into FP16 hi + lo parts (two MMAs), which keeps float32-level accuracy for
 // |x| < 1e6. The result is acc x 2^11 x scale_2.
 //
@@ -22,21 +23,16 @@
 namespace kestrel::cuda {
 
 constexpr float kMmaXScale = 0.0625f;    // 2^-4 on the activations
-constexpr float kMmaUnscale = 2048.0f;   // NVFP4: 2^7 * 2^4
+constexpr float kMmaUnscale = 2048.0f;   // NVFP4: 2^11 (codes x 2^-6, scales x 2^-1, x x 2^-4)
 constexpr float kMmaUnscaleDense = 16.0f;  // BF16: 2^4
-
-// Codes t and t + 4 of a word (its nibbles) as a half2 of code x 2^-14.
-__device__ __forceinline__ uint32_t e2m1_pair(uint32_t word, int t) {
-  const uint32_t v = word >> (4 * t);
-  return ((v & 0x00070007u) << 9) | ((v & 0x00080008u) << 12);
-}
+constexpr float kMmaScaleFactor = 0.5f;   // on the E4M3 block scales
 
 __device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 __device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
 
-// An E4M3 block scale x 2^7 in both halves.
+// An E4M3 block scale x 2^-1 in both halves.
 __device__ __forceinline__ uint32_t scale_h2(uint8_t s) {
-  const __half h = __float2half_rn(e4m3_to_float(s) * 128.0f);
+  const __half h = __float2half_rn(e4m3_to_float(s) * kMmaScaleFactor);
   return h2_bits(__halves2half2(h, h));
 }
 
@@ -79,9 +75,10 @@ __device__ __forceinline__ XFrag x_split(const float (&f)[16]) {
   XFrag x;
   #pragma unroll
   for (int t = 0; t < 4; ++t) {
-    if (Fp4) {  // codes (t, t + 4) and (8 + t, 12 + t) of the block
-      split_h2(f[t], f[t + 4], x.hi[t][0], x.lo[t][0]);
-      split_h2(f[8 + t], f[12 + t], x.hi[t][1], x.lo[t][1]);
+    if (Fp4) {  // codes (f, f + 2) and (8 + f, 10 + f) of the block (e2m1x8_h2)
+      const int p = e2m1_pair_first(t);
+      split_h2(f[p], f[p + 2], x.hi[t][0], x.lo[t][0]);
+      split_h2(f[8 + p], f[10 + p], x.hi[t][1], x.lo[t][1]);
     } else {  // adjacent BF16 pairs (2t, 2t + 1) and (8 + 2t, 9 + 2t)
       split_h2(f[2 * t], f[2 * t + 1], x.hi[t][0], x.lo[t][0]);
       split_h2(f[8 + 2 * t], f[9 + 2 * t], x.hi[t][1], x.lo[t][1]);
@@ -123,13 +120,15 @@ __device__ __forceinline__ Nvfp4Raw nvfp4_raw(const DLinear& W, int ra, int rb, 
 
 __device__ __forceinline__ AFrag a_frag_of(const Nvfp4Raw& r) {
   const __half2 ha = bits_h2(scale_h2(uint8_t(r.sa))), hb = bits_h2(scale_h2(uint8_t(r.sb)));
+  uint32_t ax[4], ay[4], bx[4], by[4];
+  e2m1x8_h2(r.qa.x, ax), e2m1x8_h2(r.qa.y, ay), e2m1x8_h2(r.qb.x, bx), e2m1x8_h2(r.qb.y, by);
   AFrag f;
   #pragma unroll
   for (int t = 0; t < 4; ++t) {
-    f.a[t][0] = h2_bits(__hmul2(bits_h2(e2m1_pair(r.qa.x, t)), ha));
-    f.a[t][1] = h2_bits(__hmul2(bits_h2(e2m1_pair(r.qb.x, t)), hb));
-    f.a[t][2] = h2_bits(__hmul2(bits_h2(e2m1_pair(r.qa.y, t)), ha));
-    f.a[t][3] = h2_bits(__hmul2(bits_h2(e2m1_pair(r.qb.y, t)), hb));
+    f.a[t][0] = h2_bits(__hmul2(bits_h2(ax[t]), ha));
+    f.a[t][1] = h2_bits(__hmul2(bits_h2(bx[t]), hb));
+    f.a[t][2] = h2_bits(__hmul2(bits_h2(ay[t]), ha));
+    f.a[t][3] = h2_bits(__hmul2(bits_h2(by[t]), hb));
   }
   return f;
 }

@@ -194,6 +194,81 @@ __global__ void __launch_bounds__(kSlotDownWarps * 32, 1) down_mma_kernel(DMoe m
   }
 }
 
+// ---- The per-slot gate/up kernel on tensor cores (one token, x as fragment rows) ----
+
+// Sums a tile's partial accumulators over its ks warps (warp order) into the tile's first warp.
+template <int N>
+__device__ __forceinline__ void tile_sum(float (&acc)[N], float (*red)[32][8], int ks) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (ks == 1) return;
+  #pragma unroll
+  for (int i = 0; i < N; ++i) red[warp][lane][i] = acc[i];
+  __syncthreads();
+  if (warp % ks == 0)
+    for (int w = warp + 1; w < warp + ks; ++w)
+      #pragma unroll
+      for (int i = 0; i < N; ++i) acc[i] += red[w][lane][i];
+}
+
+// Grid: (row blocks, slots), as gate_up_kernel; x: the token's row as fragment rows (made by the
+// router's normalization). A block holds kWarps / ks tiles of 16 gate rows and the same up rows,
+// the ks warps of a tile taking its 128-weight chunks in turn, two chunks of both matrices (288
+// bytes a lane) loaded per round; each lane passes the token's row, so all 8 columns of an MMA
+// are the same token and lane (g, j < 2) stores row r0 + g + 8j of the result, as fragment rows
+// for down_mma_kernel (frag_act) or floats for down_kernel. At 1.4 instructions per weight for
+// the dequantization and a quarter for the MMAs, against gate_up_kernel's 4.7 on CUDA cores.
+__global__ void __launch_bounds__(kWarps * 32, 2) gate_up_mma_kernel(DMoe m, int batch, const uint32_t* __restrict__ xf,
+                                                                  const int32_t* __restrict__ experts,
+                                                                  float* __restrict__ act, int act_stride, int ks,
+                                                                  int frag_act) {
+  __shared__ float red[kWarps][32][8];
+  if (blockIdx.x == 0 && blockIdx.y == 0) {  // as gate_up_kernel: the descriptors into L2 while the router runs
+    prefetch_bytes_l2(m.gate, size_t(m.local_experts) * sizeof(DLinear));
+    prefetch_bytes_l2(m.up, size_t(m.local_experts) * sizeof(DLinear));
+    prefetch_bytes_l2(m.down, size_t(m.local_experts) * sizeof(DLinear));
+  }
+  pdl_enter();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
+  const int s = blockIdx.y, K = m.router.top_k;
+  const bool shared = s >= batch * K;
+  const int b = shared ? s - batch * K : s / K;
+  const int e = shared ? 0 : experts[s] - m.first_expert;
+  if (!shared && (e < 0 || e >= m.local_experts)) return;  // another rank's expert (expert parallelism)
+  const DLinear G = shared ? m.shared_gate : m.gate[e];
+  const DLinear U = shared ? m.shared_up : m.up[e];
+  const int tiles = kWarps / ks, out = G.out;
+  if (int(blockIdx.x) * tiles * 16 >= out) return;  // past this slot's rows (the shared expert may be wider)
+  const int r0 = (blockIdx.x * tiles + warp / ks) * 16, wk = warp % ks, chunks = G.in / kFragChunk;
+  const int ra = min(r0 + g, out - 1), rb = min(r0 + g + 8, out - 1);
+  const uint32_t* xr = xf + size_t(b) * G.in;
+  float acc[2][4] = {};  // gate, up
+  if (r0 < out) {
+    #pragma unroll 1
+    for (int c = wk; c < chunks; c += 2 * ks) {
+      SlotChunk ch[2][2];
+      #pragma unroll
+      for (int u = 0; u < 2; ++u)
+        if (c + u * ks < chunks)
+          ch[u][0] = slot_chunk_load(G, ra, rb, c + u * ks, j), ch[u][1] = slot_chunk_load(U, ra, rb, c + u * ks, j);
+      #pragma unroll
+      for (int u = 0; u < 2; ++u)
+        if (c + u * ks < chunks) slot_chunks_mma<2>(ch[u], xr, c + u * ks, j, acc);
+    }
+  }
+  float gu[8];
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) gu[i] = acc[0][i], gu[4 + i] = acc[1][i];
+  tile_sum<8>(gu, red, ks);
+  const int row = r0 + g + 8 * j;
+  if (wk == 0 && j < 2 && row < out) {
+    const float gv = (j ? gu[2] : gu[0]) * mma_unscale(G) + (G.bias ? G.bias[row] : 0.0f);
+    const float uv = (j ? gu[6] : gu[4]) * mma_unscale(U) + (U.bias ? U.bias[row] : 0.0f);
+    const float y = gv / (1.0f + __expf(-gv)) * uv;
+    if (frag_act) frag_store(reinterpret_cast<uint32_t*>(act) + size_t(s) * act_stride, row, y);
+    else act[size_t(s) * act_stride + row] = y;
+  }
+}
+
 // ---- Expert-grouped kernels (2+ tokens, tensor cores) ----
 
 constexpr int kMaxGroupTokens = 256;  // tokens of a batch the grouped kernels take
@@ -416,20 +491,6 @@ __device__ __forceinline__ int group_slot(const Group& grp, int t0, int g) {
   return grp.slots[t0 + g < grp.count ? t0 + g : t0];
 }
 
-// Sums a tile's partial accumulators over its ks warps (warp order) into the tile's first warp.
-template <int N>
-__device__ __forceinline__ void tile_sum(float (&acc)[N], float (*red)[32][8], int ks) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (ks == 1) return;
-  #pragma unroll
-  for (int i = 0; i < N; ++i) red[warp][lane][i] = acc[i];
-  __syncthreads();
-  if (warp % ks == 0)
-    for (int w = warp + 1; w < warp + ks; ++w)
-      #pragma unroll
-      for (int i = 0; i < N; ++i) acc[i] += red[w][lane][i];
-}
-
 // As grouped_gate_up_kernel, x as fragment rows xf; frag_act: act receives fragment rows too.
 __global__ void __launch_bounds__(kGroupWarps * 32) grouped_gate_up_frag_kernel(DMoe m, int batch,
                                                                            const uint32_t* __restrict__ xf,
@@ -550,6 +611,13 @@ bool slot_mma_enabled() {
   return v;
 }
 
+// One token's gate/up on tensor cores from fragment rows of x where the caller made them
+// (KESTREL_MOE_ONE_TOKEN_MMA=0: on CUDA cores, for A/B runs).
+bool one_token_mma_enabled() {
+  static const bool v = env_switch("KESTREL_MOE_ONE_TOKEN_MMA");
+  return v;
+}
+
 // down_mma_kernel may load its first weights before the wait (KESTREL_MOE_PRELOAD=0: never, for A/B runs).
 bool moe_preload() {
   static const bool v = env_switch("KESTREL_MOE_PRELOAD");
@@ -584,13 +652,21 @@ bool moe_takes_fragment_rows(const DMoe& m) {
          (!m.has_shared || (slot_mma_fits(m.shared_gate) && slot_mma_fits(m.shared_up)));
 }
 
+bool moe_one_token_takes_fragment_rows(const DMoe& m) { return one_token_mma_enabled() && moe_takes_fragment_rows(m); }
+
 void launch_moe(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s, cudaStream_t stream) {
   launch_route(m.router, x, batch, s.logits, s.route_done, s.experts, s.weights, stream);
-  launch_moe_experts(m, x, batch, residual, s, stream);
+  const bool frag = batch == 1 && s.xf && moe_one_token_takes_fragment_rows(m);
+  if (frag) {  // what the router's normalization makes in a decode step
+    launch(frag_rows_kernel, dim3(unsigned((m.router.w.in + 255) / 256), 1u), dim3(256), 0, stream, x, m.router.w.in,
+           s.xf);
+    KESTREL_CUDA_LAUNCHED();
+  }
+  launch_moe_experts(m, x, batch, residual, s, stream, frag);
 }
 
 int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, bool xf_made) {
   if (m.expert_gate.out != m.width) fail("internal: DMoe.expert_gate does not describe the experts");
   if (m.local_experts < 1 || m.first_expert < 0 || m.first_expert + m.local_experts > m.router.experts)
     fail("internal: DMoe holds experts ", m.first_expert, " + ", m.local_experts, " of ", m.router.experts);
@@ -664,11 +740,27 @@ int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual
   // (GLM-5, 6144: +1.4% per MoE layer; DeepSeek-V3, 7168: +2.4%) and from 2 tokens (a block row
   // per token: as many waves again).
   const int down_tiles = (hidden + 15) / 16;
-  if (batch == 1 && down_tiles <= 2 * sm_count() && slot_mma_enabled() && m.slot_down_mma &&
-      (!m.has_shared || slot_mma_fits(m.shared_down))) {
+  const bool down_mma = batch == 1 && down_tiles <= 2 * sm_count() && slot_mma_enabled() && m.slot_down_mma &&
+                        (!m.has_shared || slot_mma_fits(m.shared_down));
+  if (batch == 1 && xf_made && s.xf && moe_one_token_takes_fragment_rows(m)) {
+    // Warps per tile: the most that keep the grid one wave of two blocks per SM (each warp at
+    // least two chunks).
+    const int rows = std::max(m.width, m.has_shared ? m.shared_gate.out : 0), chunks = hidden / kFragChunk;
+    auto blocks_of = [&](int ks) { return (rows + 16 * (kWarps / ks) - 1) / (16 * (kWarps / ks)); };
+    int ks = 1;
+    while (ks < kWarps && 4 * ks <= chunks && blocks_of(2 * ks) * slots <= 2 * sm_count()) ks *= 2;
+    if (const int v = env_int("KESTREL_MOE_GU_KS", 0); v > 0) ks = v;
+    launch(gate_up_mma_kernel, dim3(unsigned(blocks_of(ks)), unsigned(slots)), dim3(kWarps * 32), 0, stream, m, batch,
+           s.xf, s.experts, s.act, s.act_stride, ks, down_mma ? 1 : 0);
+  } else if (down_mma) {
     launch(gate_up_kernel<true>, dim3(unsigned(blocks), unsigned(slots)), dim3(kWarps * 32), 0, stream, m, batch, x,
            s.experts, s.act, s.act_stride);
-    KESTREL_CUDA_LAUNCHED();
+  } else {
+    launch(gate_up_kernel<false>, dim3(unsigned(blocks), unsigned(slots)), dim3(kWarps * 32), 0, stream, m, batch, x,
+           s.experts, s.act, s.act_stride);
+  }
+  KESTREL_CUDA_LAUNCHED();
+  if (down_mma) {
     // Its first loads before the wait where its blocks fit one wave (measured: Qwen3-30B-A3B's 128
     // blocks -1.4% per step; GLM-4.5-Air's 256 +0.2%: a second wave starts after gate/up anyway).
     const bool early = moe_preload() && down_tiles <= sm_count();
@@ -678,9 +770,6 @@ int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual
     KESTREL_CUDA_LAUNCHED();
     return 2;
   }
-  launch(gate_up_kernel<false>, dim3(unsigned(blocks), unsigned(slots)), dim3(kWarps * 32), 0, stream, m, batch, x,
-         s.experts, s.act, s.act_stride);
-  KESTREL_CUDA_LAUNCHED();
   launch(down_kernel, dim3(unsigned((hidden + kDownRows - 1) / kDownRows), unsigned(batch)), dim3(kWarps * 32), 0,
          stream, m, batch, s.experts, s.weights, s.act, s.act_stride, residual);
   KESTREL_CUDA_LAUNCHED();

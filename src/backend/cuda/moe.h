@@ -46,26 +46,34 @@ struct MoeScratch {
   float* out = nullptr;            // weighted down outputs of every slot [B * (top_k + shared), hidden]; with
                                    // it, batches of 2+ (fragment rows) or 4+ tokens take the grouped kernels
   uint32_t* xf = nullptr;          // the input split into fragment rows [B, hidden] for the grouped kernels
-                                   // (m.frag_gate_up; null: each tile splits it)
+                                   // and one token's gate/up (m.frag_gate_up; null: each tile splits it)
 };
 
 // Whether the grouped kernels take m's input as fragment rows (MoeScratch::xf): NVFP4 gate and up
 // matrices with inputs a multiple of 128 wide, unless KESTREL_MOE_FRAG=0 (for A/B runs).
 bool moe_takes_fragment_rows(const DMoe& m);
 
+// Whether one token's gate/up runs on tensor cores when the caller leaves its input in
+// MoeScratch::xf as fragment rows (the router's normalization does, RowNorm::frag): as above,
+// unless KESTREL_MOE_ONE_TOKEN_MMA=0 (for A/B runs).
+bool moe_one_token_takes_fragment_rows(const DMoe& m);
+
 // The experts after routing (s.experts, s.weights): gate/up of all slots, then down with the
 // weighted sum added to the residual. One token, and 2-3 without fragment rows (s.xf and
 // moe_takes_fragment_rows): a launch per step with one block row per slot, on CUDA cores (at one
-// token, down on tensor cores where m.slot_down_mma says it can). From 2 tokens with fragment
+// token, gate/up on tensor cores where xf_made says s.xf holds x as fragment rows and
+// moe_one_token_takes_fragment_rows, down where m.slot_down_mma says it can). From 2 tokens with fragment
 // rows, else from 4 (with s.out and m.tensor_cores): the slots are grouped by expert inside each
 // block, so every selected expert's weights (and the shared expert's) are read once for all the
 // tokens that chose it, on tensor cores; then the weighted outputs are added to the residual in
 // slot order.
 // Returns the number of kernels launched (2 per-slot, 3 or 4 grouped).
 int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s,
-                       cudaStream_t stream);
+                       cudaStream_t stream, bool xf_made = false);
 
 // Routing then experts. x: normalized input [B, hidden]; residual: [B, hidden], receives += MoE output.
+// One token with s.xf: x split into fragment rows first (what the router's normalization does in a
+// decode step), so that gate/up takes the tensor cores as it does there.
 void launch_moe(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s, cudaStream_t stream);
 
 }  // namespace kestrel::cuda

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kRowNormThreads) rms_norm_frag_kernel(const fl
     const float4 v = make_float4(g[i].x * (xv[i].x * inv), g[i].y * (xv[i].y * inv), g[i].z * (xv[i].z * inv),
                                  g[i].w * (xv[i].w * inv));
     if (out) reinterpret_cast<float4*>(out + size_t(blockIdx.x) * n)[j] = v;
-    frag_store(f, 4 * j, v.x), frag_store(f, 4 * j + 1, v.y), frag_store(f, 4 * j + 2, v.z), frag_store(f, 4 * j + 3, v.w);
+    frag_store4(f, 4 * j, v);
   }
 }
 

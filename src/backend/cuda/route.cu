@@ -9,6 +9,7 @@
 #include "backend/cuda/norm_rope.h"
 #include "backend/cuda/reduce.cuh"
 #include "backend/cuda/route.h"
+#include "backend/cuda/slot_mma.cuh"
 #include "common/env.h"
 
 namespace kestrel::cuda {
@@ -175,8 +176,11 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(DRouter r, cons
     float* xs = choice + kRouteWarps * E;
     block_rms_norm(x, g, K, norm.eps, xs, red);
     if (blockIdx.x == 0)
-      for (int i = threadIdx.x; i < K / 4; i += blockDim.x)
-        reinterpret_cast<float4*>(norm.out)[i] = reinterpret_cast<const float4*>(xs)[i];
+      for (int i = threadIdx.x; i < K / 4; i += blockDim.x) {
+        const float4 v = reinterpret_cast<const float4*>(xs)[i];
+        reinterpret_cast<float4*>(norm.out)[i] = v;
+        if (norm.frag) frag_store4(norm.frag, 4 * i, v);
+      }
     x = xs;
   }
   const int t0 = blockIdx.y * B, owned = min(B, batch - t0), c0 = min(t0, batch - B);
@@ -366,8 +370,9 @@ __global__ void __launch_bounds__(kClusterThreads, 1) route_cluster_kernel(DRout
       const float4 a = reinterpret_cast<const float4*>(x + size_t(t) * K)[k];
       const float4 g = __ldg(reinterpret_cast<const float4*>(norm.w) + k);
       const float s = inv(t);
-      reinterpret_cast<float4*>(norm.out + size_t(t) * K)[k] =
-          make_float4(g.x * (a.x * s), g.y * (a.y * s), g.z * (a.z * s), g.w * (a.w * s));
+      const float4 v = make_float4(g.x * (a.x * s), g.y * (a.y * s), g.z * (a.z * s), g.w * (a.w * s));
+      reinterpret_cast<float4*>(norm.out + size_t(t) * K)[k] = v;
+      if (norm.frag) frag_store4(norm.frag + size_t(t) * K, 4 * k, v);
     }
   cluster_sync();
   if (rank != 0 || warp >= batch) return;
@@ -463,8 +468,10 @@ bool route_fuses_norm(const DRouter& r, int batch) {
 void launch_route(const DRouter& r, const float* x, int batch, float* logits, uint32_t* done, int32_t* experts,
                   float* weights, cudaStream_t stream, RowNorm norm) {
   if (norm.w && !norm.out) fail("internal: a router normalization needs a buffer for the normalized rows");
+  if (norm.frag && r.w.in % kFragChunk != 0) fail("internal: fragment rows of ", r.w.in, " values");
   if (norm.w && !route_fuses_norm(r, batch)) {
-    launch_rms_norm(x, norm.w, batch, r.w.in, norm.eps, norm.out, stream);
+    if (norm.frag) launch_rms_norm_frag(x, norm.w, batch, r.w.in, norm.eps, norm.out, norm.frag, stream);
+    else launch_rms_norm(x, norm.w, batch, r.w.in, norm.eps, norm.out, stream);
     x = norm.out;
     norm = RowNorm{};
   }

@@ -37,7 +37,8 @@ inline int route_chunks(int batch) { return (batch + kRouteTokens - 1) / kRouteT
 // to kRouteTokens rows of x, and the last block of a chunk to finish (counted in done: route_chunks(batch)
 // counters, zero before the launch and after it) selects its tokens' experts, a warp per token.
 // With norm.w, x is the raw input: the router normalizes it (RMSNorm; inside its own kernel where
-// route_fuses_norm says so, else by a separate launch) and leaves the rows in norm.out for the experts.
+// route_fuses_norm says so, else by a separate launch) and leaves the rows in norm.out for the experts,
+// and with norm.frag as fragment rows there too (slot_mma.cuh; inputs a multiple of 128 wide).
 void launch_route(const DRouter& r, const float* x, int batch, float* logits, uint32_t* done, int32_t* experts,
                   float* weights, cudaStream_t stream, RowNorm norm = {});
 bool route_fuses_norm(const DRouter& r, int batch);

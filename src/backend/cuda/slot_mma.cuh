@@ -6,8 +6,8 @@
 // weights [32j, 32j + 32): 16 bytes of codes and two block scales per row, one load each. A dot
 // product does not depend on the order of k, so the chunk's 8 k-steps may pair any of the lane's
 // weights as long as the activations are paired the same way: k-step s = 2i + p takes from word
-// i of the 16 bytes the code pairs (2p, 2p + 4) as fragment k (2j, 2j + 1) and (2p + 1, 2p + 5)
-// as k (2j + 8, 2j + 9) (e2m1_pair with t = 2p and 2p + 1). The token's activations are stored
+// i of the 16 bytes the code pairs (4p, 4p + 2) as fragment k (2j, 2j + 1) and (4p + 1, 4p + 3)
+// as k (2j + 8, 2j + 9) (e2m1x8_h2's pairs 2p and 2p + 1). The token's activations are stored
 // in that order by the kernel that makes them, as FP16 hi + lo parts of x * 2^-4 (a "fragment
 // row", frag_store), so each k-step's B fragments are one 16-byte load. Accuracy and scalings
 // are those of mma_tiles.cuh: the result is acc x mma_unscale(W).
@@ -40,9 +40,9 @@ constexpr int kSlotChunks = 4;   // chunks whose loads a lane has in flight at o
 // The 32-bit word of a fragment row that holds value e (hi part; the lo part is 2 words later),
 // and which half of it (0: low).
 __device__ __forceinline__ int frag_word(int e, int& half) {
-  const int c = e >> 7, j = (e >> 5) & 3, q = e & 31, i = q >> 3, n = q & 7, m = n & 3;
-  half = n >> 2;
-  return ((c * 8 + 2 * i + (m >> 1)) * 4 + j) * 4 + (m & 1);
+  const int c = e >> 7, j = (e >> 5) & 3, i = (e >> 3) & 3, n = e & 7;  // code n of the lane's word i
+  half = (n >> 1) & 1;
+  return ((c * 8 + 2 * i + (n >> 2)) * 4 + j) * 4 + (n & 1);
 }
 
 // Stores value v as element e of the fragment row f.
@@ -57,10 +57,14 @@ __device__ __forceinline__ void frag_store(uint32_t* f, int e, float v) {
   h[2 * (w + 2) + half] = lo;
 }
 
-// Two E4M3 block scales (a little-endian 16-bit pair) x 2^7, each in both halves of a half2.
+// Stores v as elements e .. e + 3 of the fragment row f.
+__device__ __forceinline__ void frag_store4(uint32_t* f, int e, float4 v) {
+  frag_store(f, e, v.x), frag_store(f, e + 1, v.y), frag_store(f, e + 2, v.z), frag_store(f, e + 3, v.w);
+}
+
+// Two E4M3 block scales (a little-endian 16-bit pair) x 2^-1, each in both halves of a half2.
 __device__ __forceinline__ void scale_pair_h2(uint32_t two, __half2& s0, __half2& s1) {
-  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two & 0xFFFFu), __NV_E4M3);
-  const __half2 s = __hmul2(*reinterpret_cast<const __half2*>(&r), __float2half2_rn(128.0f));
+  const __half2 s = __hmul2(bits_h2(e4m3x2_h2(two)), __float2half2_rn(kMmaScaleFactor));
   s0 = __low2half2(s), s1 = __high2half2(s);
 }
 
@@ -99,9 +103,7 @@ __device__ __forceinline__ void slot_chunks_mma(const SlotChunk (&r)[M], const u
   for (int i = 0; i < 4; ++i) {
     uint32_t pa[M][4], pb[M][4];
     #pragma unroll
-    for (int m = 0; m < M; ++m)
-      #pragma unroll
-      for (int t = 0; t < 4; ++t) pa[m][t] = e2m1_pair(word_of(r[m].qa, i), t), pb[m][t] = e2m1_pair(word_of(r[m].qb, i), t);
+    for (int m = 0; m < M; ++m) e2m1x8_h2(word_of(r[m].qa, i), pa[m]), e2m1x8_h2(word_of(r[m].qb, i), pb[m]);
     #pragma unroll
     for (int p = 0; p < 2; ++p) {
       const uint4 b = xb[4 * (2 * i + p)];
