@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <iterator>
 #include <map>
 #include <numeric>
@@ -157,18 +158,42 @@ INSTANTIATE_TEST_SUITE_P(
                       LinearCase{WeightFormat::NVFP4, 2048, 4096, 2}, LinearCase{WeightFormat::NVFP4, 77, 4160, 3},
                       LinearCase{WeightFormat::BF16, 200, 8192, 5}));
 
-// Element e of n-wide fragment rows (slot_mma.cuh's frag_word layout: hi + lo FP16 parts of
-// value / 16), read back on the host.
+// The 16-bit half of an n-wide fragment row that holds element e's hi part (slot_mma.cuh's
+// frag_word layout: hi + lo FP16 parts of value / 16; the lo part 4 halves on).
+size_t frag_half(int e) {
+  const int c = e >> 7, j = (e >> 5) & 3, i = (e >> 3) & 3, k = e & 7;
+  return 2 * size_t(((c * 8 + 2 * i + (k >> 2)) * 4 + j) * 4 + (k & 1)) + ((k >> 1) & 1);
+}
+
+// Fragment rows read back on the host.
 std::vector<float> unfrag(const std::vector<uint32_t>& f, int rows, int n) {
   std::vector<float> v(size_t(rows) * size_t(n));
   const auto* h = reinterpret_cast<const uint16_t*>(f.data());
   for (int r = 0; r < rows; ++r)
     for (int e = 0; e < n; ++e) {
-      const int c = e >> 7, j = (e >> 5) & 3, i = (e >> 3) & 3, k = e & 7, half = (k >> 1) & 1;
-      const size_t w = size_t(r) * n + size_t(((c * 8 + 2 * i + (k >> 2)) * 4 + j) * 4 + (k & 1));
-      v[size_t(r) * n + e] = 16.0f * (f16_to_f32(h[2 * w + half]) + f16_to_f32(h[2 * (w + 2) + half]));
+      const size_t at = 2 * size_t(r) * n + frag_half(e);
+      v[size_t(r) * n + e] = 16.0f * (f16_to_f32(h[at]) + f16_to_f32(h[at + 4]));
     }
   return v;
+}
+
+// Rows of n values (n % 128 == 0) as fragment rows, made on the host.
+std::vector<uint32_t> to_frag(const std::vector<float>& x, int rows, int n) {
+  std::vector<uint32_t> f(size_t(rows) * size_t(n));
+  auto* h = reinterpret_cast<uint16_t*>(f.data());
+  auto bits = [](_Float16 v) {
+    uint16_t u;
+    std::memcpy(&u, &v, 2);
+    return u;
+  };
+  for (int r = 0; r < rows; ++r)
+    for (int e = 0; e < n; ++e) {
+      const float v = x[size_t(r) * n + e] / 16.0f;
+      const _Float16 hi = _Float16(v), lo = _Float16(v - float(hi));
+      const size_t at = 2 * size_t(r) * n + frag_half(e);
+      h[at] = bits(hi), h[at + 4] = bits(lo);
+    }
+  return f;
 }
 
 // An RMSNorm of the input inside the product (one token on CUDA cores) or, where the kernel
@@ -208,6 +233,37 @@ TEST(CudaOps, LinearWithNormMatchesCpu) {
       if (takes) EXPECT_LE(test::rel_err(unfrag(dxf.download(), p.batch, p.in), xn), 1e-6) << "fragment rows";
       else EXPECT_EQ(dxf.download(), std::vector<uint32_t>(x.size(), 0xffffffffu)) << "fragment rows written";
     }
+  }
+}
+
+// Products that read their input as fragment rows made by the kernel before (attention's output
+// before o): 2-7 tokens of NVFP4 rows of whole 128-weight chunks (o-shaped on 16-warp blocks at 2,
+// uneven K shares at 640), where the float input is poison so that only the fragment rows can give
+// the result; elsewhere (one token, 8, BF16, K not a multiple of 128) the floats.
+TEST(CudaOps, LinearFromFragmentRowsMatchesCpu) {
+  std::mt19937 rng(31);
+  const bool env = std::getenv("KESTREL_LINEAR_FRAG") || std::getenv("KESTREL_LINEAR_FRAG_MIN_BATCH");
+  for (const LinearCase& p : {LinearCase{WeightFormat::NVFP4, 2048, 4096, 2}, LinearCase{WeightFormat::NVFP4, 2048, 4096, 1},
+                              LinearCase{WeightFormat::NVFP4, 300, 2048, 5}, LinearCase{WeightFormat::NVFP4, 77, 640, 7},
+                              LinearCase{WeightFormat::NVFP4, 200, 2048, 8}, LinearCase{WeightFormat::NVFP4, 64, 784, 3},
+                              LinearCase{WeightFormat::BF16, 200, 2048, 3}}) {
+    RandomLinear W(p.out, p.in, p.format, rng, true);
+    const auto x = test::random_floats(size_t(p.batch) * p.in, rng, 3.0f);
+    std::vector<float> ref(size_t(p.batch) * p.out);
+    ThreadPool pool(1);
+    cpu::linear(W.host, x.data(), p.batch, ref.data(), pool);
+    DeviceBuffer<float> dx(x), dy(ref.size());
+    DeviceBuffer<uint32_t> dxf(p.in % 128 == 0 ? to_frag(x, p.batch, p.in) : std::vector<uint32_t>(x.size(), 0u));
+    const cuda::LinearJob job{W.dev, dy.get()};
+    const bool takes = cuda::linear_takes_fragment_rows(&job, 1, p.batch);
+    const std::string what = std::to_string(p.out) + " x " + std::to_string(p.in) + ", batch " + std::to_string(p.batch);
+    if (!env) {
+      EXPECT_EQ(takes, p.format == WeightFormat::NVFP4 && p.in % 128 == 0 && p.batch >= 2 && p.batch <= 7) << what;
+    }
+    if (takes) dx.poison();
+    dy.poison();
+    cuda::launch_linear(&job, 1, dx.get(), p.batch, false, nullptr, cuda::RowNorm{}, dxf.get());
+    EXPECT_LE(test::rel_err(dy.download(), ref), kTol) << what << (takes ? ", from fragment rows" : "");
   }
 }
 
@@ -718,19 +774,26 @@ void check_qk_rope_attention(cuda::KvType type) {
         EXPECT_EQ(std::vector<float>(vr.end() - int64_t(row), vr.end()),
                   cached(std::vector<float>(v.begin() + b * row, v.begin() + (b + 1) * row))) << "sequence " << b;
       }
+      // Where the heads' values make whole fragment rows, the output as those too (o's input).
+      const bool frag = (cs.nq * cs.hd) % 128 == 0;
+      DeviceBuffer<uint32_t> dfrag(q.size());
       for (size_t i = 0; i < std::size(splits); ++i) {
         const cuda::AttentionSplit split = splits[i];
         DeviceBuffer<float> scratch(cuda::attention_scratch_floats(B, cs.nq, cs.hd, split));
-        dout.poison();
+        dout.poison(), dfrag.poison();
         const int launches = cuda::launch_decode_attention(dq.get(), B, cs.nq, cs.nkv, cs.hd,
                                                            1.0f / std::sqrt(float(cs.hd)), dpos.get(), kvl, split,
-                                                           scratch.get(), dout.get(), nullptr);
+                                                           scratch.get(), dout.get(), nullptr, nullptr,
+                                                           frag ? dfrag.get() : nullptr);
         EXPECT_EQ(launches, split.cluster ? 1 : 2);
         const auto got = dout.download();
         const std::string what = "hd " + std::to_string(cs.hd) + ", " +
                                  (split.cluster ? "clusters of " + std::to_string(split.cluster)
                                                 : std::to_string(split.splits) + " splits");
         EXPECT_LE(test::rel_err(got, ref), tol) << what << (shuffled ? ", shuffled tables" : "");
+        if (frag) {
+          EXPECT_LE(test::rel_err(unfrag(dfrag.download(), B, cs.nq * cs.hd), got), 1e-6) << what << ", fragment rows";
+        }
         if (!shuffled) identity_out.push_back(got);
         else EXPECT_EQ(got, identity_out[i]) << what;
       }

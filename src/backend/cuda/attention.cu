@@ -8,6 +8,7 @@
 #include "backend/cuda/kv_paged.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/reduce.cuh"
+#include "backend/cuda/slot_mma.cuh"
 #include "common/env.h"
 
 namespace kestrel::cuda {
@@ -47,7 +48,8 @@ template <int kPer, int GH, int W, bool Fused, class T>
 __global__ void __launch_bounds__(W * 32) attention_partial_kernel(const float* __restrict__ q, int nq, int nkv, int hd,
                                                                   float scale, const int32_t* __restrict__ positions,
                                                                   KvLayer cache, QkPrep prep, float* __restrict__ part,
-                                                                  float* __restrict__ out, int preload) {
+                                                                  float* __restrict__ out, uint32_t* __restrict__ out_frag,
+                                                                  int preload) {
   constexpr int kUnroll = kPer >= 8 ? 2 : 4;  // positions whose rows are loaded before the first is used
   static_assert(kKvBlock % kUnroll == 0, "a warp's positions lie in one KV block");
   constexpr int kRow = kPer * 32;  // floats per head vector in shared memory
@@ -278,6 +280,7 @@ __global__ void __launch_bounds__(W * 32) attention_partial_kernel(const float* 
         t = fmaf(*cl.map_shared_rank(s_acc + g * kRow + d, c), w, t);
       }
       out[(size_t(b) * nq + h0 + g) * hd + d] = t / L;
+      if (out_frag) frag_store(out_frag + size_t(b) * nq * hd, (h0 + g) * hd + d, t / L);
     }
     cluster_sync();  // no block leaves while another reads its shared memory
   }
@@ -292,7 +295,8 @@ constexpr int kEarly = 32;  // splits whose values a combine thread loads while 
 // one weight per split while every thread already loads its dimension of the first kEarly
 // splits; then each thread adds its dimension over the splits (usually one memory round trip).
 __global__ void __launch_bounds__(kCombineDims) attention_combine_kernel(const float* __restrict__ part, int nq,
-                                                                         int hd, int splits, float* __restrict__ out) {
+                                                                         int hd, int splits, float* __restrict__ out,
+                                                                         uint32_t* __restrict__ out_frag) {
   __shared__ float weight[kMaxSplits];
   const int h = blockIdx.x, b = blockIdx.y, d = blockIdx.z * kCombineDims + threadIdx.x;
   pdl_enter();
@@ -330,6 +334,7 @@ __global__ void __launch_bounds__(kCombineDims) attention_combine_kernel(const f
   #pragma unroll 8
   for (int s = kEarly; s < splits; ++s) t = fmaf(p[s * (hd + 2) + d], weight[s], t);
   out[(size_t(b) * nq + h) * hd + d] = t;
+  if (out_frag) frag_store(out_frag + size_t(b) * nq * hd, h * hd + d, t);
 }
 
 }  // namespace
@@ -381,6 +386,7 @@ struct PartialArgs {
   QkPrep prep;
   float* scratch;
   float* out;
+  uint32_t* out_frag;
 };
 
 template <int kPer, int GH, class T>
@@ -391,12 +397,12 @@ void launch_partial_gh(const PartialArgs& a, const AttentionSplit& split, cudaSt
     const size_t smem = size_t(kFusedWarps) * GH * kPer * 32 * sizeof(float);
     KESTREL_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     launch_cluster(k, grid, dim3(1, 1, grid.z), dim3(kFusedWarps * 32), smem, s, a.q, a.nq, a.nkv, a.hd, a.scale,
-                   a.positions, a.cache, a.prep, nullptr, a.out, attention_preload());
+                   a.positions, a.cache, a.prep, nullptr, a.out, a.out_frag, attention_preload());
     return;
   }
   launch(attention_partial_kernel<kPer, GH, kWarps, false, T>, grid, dim3(kWarps * 32),
          size_t(kWarps) * GH * kPer * 32 * sizeof(float), s, a.q, a.nq, a.nkv, a.hd, a.scale, a.positions, a.cache,
-         a.prep, a.scratch, nullptr, attention_preload());
+         a.prep, a.scratch, nullptr, nullptr, attention_preload());
 }
 
 template <int kPer, class T>
@@ -453,8 +459,9 @@ bool attention_takes_qk_step(const KvLayer& cache, int batch) {
 
 int launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, float scale,
                             const int32_t* positions, KvLayer cache, const AttentionSplit& split, float* scratch,
-                            float* out, cudaStream_t s, const QkPrep* prep) {
+                            float* out, cudaStream_t s, const QkPrep* prep, uint32_t* out_frag) {
   if (hd > kMaxHd) fail("CUDA decode attention supports head_dim up to ", kMaxHd, ", got ", hd);
+  if (out_frag && (nq * hd) % kFragChunk != 0) fail("internal: fragment rows of ", nq * hd, " values");
   if (nkv < 1 || nq % nkv != 0) fail("internal: ", nq, " query heads over ", nkv, " KV heads");
   if (!cache.table || cache.row != nkv * hd)
     fail("internal: a KV cache of rows of ", cache.row, " values for ", nkv, " heads of ", hd);
@@ -469,21 +476,21 @@ int launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, 
     if (prep->rope.rotary_dim < 0 || prep->rope.rotary_dim > hd || prep->rope.rotary_dim % 2 != 0)
       fail("internal: a rotary dimension of ", prep->rope.rotary_dim, " in heads of ", hd);
   }
-  const PartialArgs a{q, batch, nq, nkv, hd, scale, positions, cache, prep ? *prep : QkPrep{}, scratch, out};
+  const PartialArgs a{q, batch, nq, nkv, hd, scale, positions, cache, prep ? *prep : QkPrep{}, scratch, out, out_frag};
   const int gh = attention_heads_per_block(nq, nkv, hd, batch);
   if (cache.type == KvType::BF16) launch_partial_hd<__nv_bfloat16>(gh, a, split, s);
   else launch_partial_hd<float>(gh, a, split, s);
   KESTREL_CUDA_LAUNCHED();
   if (split.cluster > 0) return 1;
-  launch_attention_combine(scratch, batch, nq, hd, split, out, s);
+  launch_attention_combine(scratch, batch, nq, hd, split, out, s, out_frag);
   return 2;
 }
 
 void launch_attention_combine(const float* part, int batch, int nq, int hd, const AttentionSplit& split, float* out,
-                              cudaStream_t s) {
+                              cudaStream_t s, uint32_t* out_frag) {
   if (split.splits > kMaxSplits) fail("internal: attention combine takes at most ", kMaxSplits, " splits");
   launch(attention_combine_kernel, dim3(unsigned(nq), unsigned(batch), unsigned((hd + kCombineDims - 1) / kCombineDims)),
-         dim3(kCombineDims), 0, s, part, nq, hd, split.splits, out);
+         dim3(kCombineDims), 0, s, part, nq, hd, split.splits, out, out_frag);
   KESTREL_CUDA_LAUNCHED();
 }
 

@@ -44,9 +44,10 @@ inline size_t attention_scratch_floats(int batch, int nq, int hd, const Attentio
   return size_t(batch) * size_t(nq) * size_t(s.splits) * size_t(hd + 2);
 }
 
-// Partials [B][nq][splits][hd + 2] (weighted values, then max and sum of each split) -> out [B, nq, hd].
+// Partials [B][nq][splits][hd + 2] (weighted values, then max and sum of each split) -> out [B, nq, hd]
+// (and as fragment rows into out_frag where set: launch_decode_attention).
 void launch_attention_combine(const float* part, int batch, int nq, int hd, const AttentionSplit& split, float* out,
-                              cudaStream_t s);
+                              cudaStream_t s, uint32_t* out_frag = nullptr);
 
 // The step between the QKV projection and attention (launch_qk_rope_store's), done inside the
 // attention kernel: a launch and a wait fewer per layer. The kernel's blocks normalize and rotate
@@ -71,8 +72,10 @@ bool attention_takes_qk_step(const KvLayer& cache, int batch);
 // prep null: q is ready and the cache holds each row's new key and value (launch_qk_rope_store).
 // prep set: q is as projected (not changed) and the kernel does that step; the rows must be
 // distinct sequences (cache.table_stride != 0) or one row.
+// out_frag set: out also as fragment rows [B, nq * hd] (slot_mma.cuh; nq * hd a multiple of 128),
+// which the output projection's tensor-core kernel reads instead of splitting out per tile.
 int launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, float scale,
                              const int32_t* positions, KvLayer cache, const AttentionSplit& split, float* scratch,
-                             float* out, cudaStream_t s, const QkPrep* prep = nullptr);
+                             float* out, cudaStream_t s, const QkPrep* prep = nullptr, uint32_t* out_frag = nullptr);
 
 }  // namespace kestrel::cuda

@@ -8,6 +8,7 @@
 #include "backend/cuda/misc.h"
 #include "backend/cuda/mla.h"
 #include "backend/cuda/moe.h"
+#include "backend/cuda/slot_mma.cuh"
 #include "backend/cuda/allreduce.h"
 #include "parallel/shard.h"
 #include "plan/decode_cost.h"
@@ -158,6 +159,7 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
     k_ = buffer<float>(B * nkv * hd);
     v_ = buffer<float>(B * nkv * hd);
     att_ = buffer<float>(B * nq * hd);
+    if ((nq * hd) % kFragChunk == 0) att_frag_ = buffer<uint32_t>(B * nq * hd);
     size_t scratch = 0;
     for (int b = 1; b <= max_batch; ++b)
       scratch = std::max(scratch, attention_scratch_floats(b, int(nq), int(hd), gqa_split(b)));
@@ -393,11 +395,13 @@ void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, Logits rows, bool 
         launch_qk_rope_store(q_, k_, v_, batch, nq, nkv, hd, L.q_norm, L.k_norm, eps, rope, positions_, kvl, s);
         op("qk_norm_rope", 1, act * (nq + 2 * nkv) * hd);
       }
-      const int att_launches = launch_decode_attention(q_, batch, nq, nkv, hd, scale, positions_, kvl, gqa_split(batch),
-                                                       att_scratch_, att_, s, in_attention ? &prep : nullptr);
-      op("attention", att_launches, 0.0);  // KV bytes depend on the positions: the caller adds them
+      // Attention leaves its output as fragment rows too where o's tensor-core kernel takes them.
       const LinearJob o[1] = {{L.o, out}};
-      launch_linear(o, 1, att_, batch, !split, s);
+      uint32_t* att_frag = att_frag_ && linear_takes_fragment_rows(o, 1, batch) ? att_frag_ : nullptr;
+      const int att_launches = launch_decode_attention(q_, batch, nq, nkv, hd, scale, positions_, kvl, gqa_split(batch),
+                                                       att_scratch_, att_, s, in_attention ? &prep : nullptr, att_frag);
+      op("attention", att_launches, 0.0);  // KV bytes depend on the positions: the caller adds them
+      launch_linear(o, 1, att_, batch, !split, s, RowNorm{}, att_frag);
       op("o_proj", 1, double(L.o.bytes()));
     }
     if (split) {

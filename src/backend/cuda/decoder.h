@@ -131,6 +131,7 @@ class Decoder {
   float *part_ = nullptr, *shard_logits_ = nullptr, *gathered_ = nullptr;  // split only
   float *x_ = nullptr, *xn_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *att_ = nullptr, *act_ = nullptr;
   uint32_t* xf_ = nullptr;  // the normalized rows before q/k/v as fragment rows (launch_linear's RowNorm::frag)
+  uint32_t* att_frag_ = nullptr;  // attention's output as fragment rows for o (launch_decode_attention's out_frag)
   float *logits_ = nullptr, *att_scratch_ = nullptr;
   // The KV pool (all layers, layer by layer: kv_blocks_ blocks of 16 rows each), owned or borrowed.
   void *kv_k_ = nullptr, *kv_v_ = nullptr;  // MLA: the latent rows; kv_v_ == kv_k_

@@ -165,19 +165,22 @@ __global__ void __launch_bounds__(NW * 32, 2) mma_linear_wide_kernel(Jobs jobs, 
   store_tile<G>(W, jobs.j[jb].y + size_t(t0) * W.out, r0, lane, nb, acc, accumulate);
 }
 
-// One group of tokens (2-8) given as fragment rows (slot_mma.cuh; made by the normalization
-// before the product), every job NVFP4 with K % 128 == 0: the wide kernel's blocks and K split,
-// over the 128-weight chunks of slot_mma.cuh with lane (g, j) passing token g's row, as the grouped
-// MoE kernels do, so that no tile splits the activations itself (37% of the wide kernel's
-// instructions per chunk).
-__global__ void __launch_bounds__(kWarps * 32, 3) mma_linear_frag_kernel(Jobs jobs, const uint32_t* __restrict__ xf,
-                                                                     int nb, int accumulate) {
-  __shared__ float red[kWarps][4][32];
+// One group of tokens (up to 8) given as fragment rows (slot_mma.cuh; made by the kernel before
+// the product: the normalization before q/k/v, attention before o), every job NVFP4 with
+// K % 128 == 0: the wide kernel's blocks (NW warps) and K split, over the 128-weight chunks of
+// slot_mma.cuh with lane (g, j) passing token g's row, as the grouped MoE kernels do, so that no
+// tile splits the activations itself (37% of the wide kernel's instructions per chunk). Held to
+// 80 registers at 8 warps (3 blocks per SM), 64 at 16 (2).
+template <int NW>
+__global__ void __launch_bounds__(NW * 32, NW == 16 ? 2 : 3) mma_linear_frag_kernel(Jobs jobs,
+                                                                                 const uint32_t* __restrict__ xf,
+                                                                                 int nb, int accumulate) {
+  __shared__ float red[NW][4][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int blk = blockIdx.x, jb = 0;
   while (blk >= jobs.blocks[jb]) blk -= jobs.blocks[jb++];
   const DLinear& W = jobs.j[jb].w;
-  const int ks = jobs.ks[jb], tiles = kWarps / ks;
+  const int ks = jobs.ks[jb], tiles = NW / ks;
   const int r0 = (blk * tiles + warp / ks) * 16, wk = warp % ks;
   prefetch_rows_l2(W, blk * tiles * 16, tiles * 16);
   pdl_enter();
@@ -551,25 +554,32 @@ bool linear_fuses_norm(const LinearJob* jobs, int njobs, int batch) {
 }
 
 namespace {
-// Whether a pass of `batch` tokens may read its input as fragment rows made by the normalization
-// before it (mma_linear_frag_kernel: one pass of one group on the wide kernel, every job NVFP4 of
-// whole 128-weight chunks; KESTREL_LINEAR_FRAG=0: never, for A/B runs).
-bool linear_takes_frag(const LinearJob* jobs, int njobs, int batch) {
+// Passes from this many tokens read fragment rows where given (KESTREL_LINEAR_FRAG_MIN_BATCH, for
+// A/B runs; one token's q/k/v fuse their normalization on CUDA cores whatever it says).
+int linear_frag_min_batch() {
+  static const int v = std::max(1, env_int("KESTREL_LINEAR_FRAG_MIN_BATCH", mma_min_batch()));
+  return v;
+}
+}  // namespace
+
+bool linear_takes_fragment_rows(const LinearJob* jobs, int njobs, int batch) {
   static const bool on = env_switch("KESTREL_LINEAR_FRAG");
-  if (!on || batch < mma_min_batch() || batch > 8 || batch >= linear_tiled_min() || jobs[0].w.in > kRowNormMax)
+  if (!on || batch < linear_frag_min_batch() || batch > 8 || batch >= linear_tiled_min() || njobs < 1 ||
+      jobs[0].w.in > kRowNormMax)
     return false;
   for (int i = 0; i < njobs; ++i)
     if (!slot_mma_fits(jobs[i].w) || jobs[i].w.in != jobs[0].w.in) return false;
   return true;
 }
-}  // namespace
 
 void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, bool accumulate, cudaStream_t s,
-                   RowNorm norm) {
+                   RowNorm norm, const uint32_t* x_frag) {
   if (njobs < 1 || njobs > 3) fail("internal: launch_linear takes 1 to 3 jobs");
-  const uint32_t* xf = nullptr;  // the input as fragment rows, where the normalization made them
+  // The input as fragment rows, where the kernel before made them (x_frag) or the normalization does.
+  const uint32_t* xf = x_frag && linear_takes_fragment_rows(jobs, njobs, batch) ? x_frag : nullptr;
+  if (x_frag && norm.w) fail("internal: launch_linear takes fragment rows of its input or a normalization, not both");
   if (norm.w && !linear_fuses_norm(jobs, njobs, batch)) {
-    const bool frag = norm.frag && linear_takes_frag(jobs, njobs, batch);
+    const bool frag = norm.frag && linear_takes_fragment_rows(jobs, njobs, batch);
     if (!norm.out && !frag) fail("internal: launch_linear cannot fuse this normalization and has no buffer for it");
     if (frag) {
       launch_rms_norm_frag(x, norm.w, batch, jobs[0].w.in, norm.eps, norm.out, norm.frag, s);
@@ -587,7 +597,7 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
   }
   // Passes of up to 64 tokens on tensor cores, else of up to 8 on CUDA cores.
   for (int b0 = 0, nb = 0; b0 < batch; b0 += nb) {
-    const bool mma = pass_on_mma(jobs, njobs, batch - b0);
+    const bool mma = xf || pass_on_mma(jobs, njobs, batch - b0);
     nb = std::min(mma ? 64 : 8, batch - b0);
     const float* xb = x + size_t(b0) * jobs[0].w.in;
     // Blocks of (warps / ks) tiles of rows_per_tile rows; the tiled kernel has one warp per tile.
@@ -623,16 +633,17 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
       Jobs J = jobs_for(16, false);
       const int G = groups_per_block(nb, J.blocks_total, linear_fill() * sm_count());
       // One group whose tiles give few blocks: 16 warps a block where every tile splits over 16 and
-      // the blocks still fit at once (the float input only: q/k/v from fragment rows have many tiles).
-      bool w16 = !xf && G == 1 && J.blocks_total <= linear_wide16_blocks();
+      // the blocks still fit at once.
+      bool w16 = G == 1 && J.blocks_total <= linear_wide16_blocks();
       if (w16) {
         const Jobs J16 = jobs_for(16, false, 16);
         for (int i = 0; i < njobs; ++i) w16 &= J16.ks[i] == 16;
         if (w16) J = J16;
       }
       const dim3 grid(unsigned(J.blocks_total), unsigned((groups + G - 1) / G)), block((w16 ? 16 : kWarps) * 32);
-      if (xf) {  // one pass of one group (linear_takes_frag)
-        launch(mma_linear_frag_kernel, grid, block, 0, s, J, xf, nb, acc);
+      if (xf) {  // one pass of one group (linear_takes_fragment_rows)
+        if (w16) launch(mma_linear_frag_kernel<16>, grid, block, 0, s, J, xf, nb, acc);
+        else launch(mma_linear_frag_kernel<kWarps>, grid, block, 0, s, J, xf, nb, acc);
       } else if (w16) {
         launch(mma_linear_wide_kernel<1, 16>, grid, block, 0, s, J, xb, nb, acc);
       } else {

@@ -16,11 +16,17 @@ struct LinearJob {
 // x: [batch, in] float32. If `accumulate`, y += result (residual add), else y = result.
 // With norm.w, x is first normalized (RMSNorm): inside the product's kernel where
 // linear_fuses_norm says it can be, else by a separate launch into norm.out, which must then be
-// set; where norm.frag is set and the tensor-core kernel can take them (2-7 tokens, NVFP4 rows of
-// whole 128-weight chunks), that launch also writes the rows into it as fragment rows, which the
-// product then reads (norm.out may then be null).
+// set; where norm.frag is set and linear_takes_fragment_rows, that launch also writes the rows
+// into it as fragment rows, which the product then reads (norm.out may then be null).
+// x_frag: x also as fragment rows (slot_mma.cuh), which the product reads where
+// linear_takes_fragment_rows (not with norm).
 void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, bool accumulate, cudaStream_t s,
-                   RowNorm norm = {});
+                   RowNorm norm = {}, const uint32_t* x_frag = nullptr);
+
+// Whether launch_linear's tensor-core kernel reads fragment rows of the input for these jobs and
+// batch: 2-7 tokens (KESTREL_LINEAR_FRAG_MIN_BATCH moves the 2), NVFP4 rows of whole 128-weight
+// chunks, one K (KESTREL_LINEAR_FRAG=0: never, for A/B runs).
+bool linear_takes_fragment_rows(const LinearJob* jobs, int njobs, int batch);
 
 // Whether launch_linear applies a RowNorm inside its product kernel for these jobs and batch (one
 // token on the CUDA-core kernel, rows of at most kRowNormMax floats).

@@ -562,13 +562,16 @@ __global__ void __launch_bounds__(kGroupWarps * 32) grouped_down_frag_kernel(DMo
   }
 }
 
-// Rows [batch, n] of x as fragment rows (slot_mma.cuh) for grouped_gate_up_frag_kernel: the
-// split into FP16 hi + lo done once per layer instead of by every 16-row tile of every expert.
+// Rows [batch, n] of x (n % 128 == 0) as fragment rows (slot_mma.cuh) for the grouped gate/up
+// kernel: the split into FP16 hi + lo done once per layer instead of by every 16-row tile of
+// every expert. Four values a thread.
 __global__ void __launch_bounds__(256) frag_rows_kernel(const float* __restrict__ x, int n, uint32_t* __restrict__ xf) {
   pdl_enter();
-  const int e = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
-  if (e < n) frag_store(xf + size_t(b) * n, e, x[size_t(b) * n + e]);
+  const int e = 4 * (blockIdx.x * blockDim.x + threadIdx.x), b = blockIdx.y;
+  if (e < n) frag_store4(xf + size_t(b) * n, e, *reinterpret_cast<const float4*>(x + size_t(b) * n + e));
 }
+
+unsigned frag_rows_blocks(int n) { return unsigned((n / 4 + 255) / 256); }
 
 // residual[b] += the weighted outputs of token b's slots, in slot order (the shared expert last),
 // so the sum does not depend on how the grouped kernels were scheduled.
@@ -658,8 +661,7 @@ void launch_moe(const DMoe& m, const float* x, int batch, float* residual, const
   launch_route(m.router, x, batch, s.logits, s.route_done, s.experts, s.weights, stream);
   const bool frag = batch == 1 && s.xf && moe_one_token_takes_fragment_rows(m);
   if (frag) {  // what the router's normalization makes in a decode step
-    launch(frag_rows_kernel, dim3(unsigned((m.router.w.in + 255) / 256), 1u), dim3(256), 0, stream, x, m.router.w.in,
-           s.xf);
+    launch(frag_rows_kernel, dim3(frag_rows_blocks(m.router.w.in), 1u), dim3(256), 0, stream, x, m.router.w.in, s.xf);
     KESTREL_CUDA_LAUNCHED();
   }
   launch_moe_experts(m, x, batch, residual, s, stream, frag);
@@ -699,7 +701,7 @@ int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual
     const int ks_dn = warps_per_tile(hidden, std::min(m.width, m.has_shared ? m.shared_down.in : m.width), frag_act);
     int launches = 3;
     if (frag_in) {
-      launch(frag_rows_kernel, dim3(unsigned((hidden + 255) / 256), unsigned(batch)), dim3(256), 0, stream, x, hidden,
+      launch(frag_rows_kernel, dim3(frag_rows_blocks(hidden), unsigned(batch)), dim3(256), 0, stream, x, hidden,
              s.xf);
       KESTREL_CUDA_LAUNCHED();
       ++launches;
@@ -749,7 +751,6 @@ int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual
     auto blocks_of = [&](int ks) { return (rows + 16 * (kWarps / ks) - 1) / (16 * (kWarps / ks)); };
     int ks = 1;
     while (ks < kWarps && 4 * ks <= chunks && blocks_of(2 * ks) * slots <= 2 * sm_count()) ks *= 2;
-    if (const int v = env_int("KESTREL_MOE_GU_KS", 0); v > 0) ks = v;
     launch(gate_up_mma_kernel, dim3(unsigned(blocks_of(ks)), unsigned(slots)), dim3(kWarps * 32), 0, stream, m, batch,
            s.xf, s.experts, s.act, s.act_stride, ks, down_mma ? 1 : 0);
   } else if (down_mma) {

@@ -57,9 +57,16 @@ __device__ __forceinline__ void frag_store(uint32_t* f, int e, float v) {
   h[2 * (w + 2) + half] = lo;
 }
 
-// Stores v as elements e .. e + 3 of the fragment row f.
+// Stores v as elements e .. e + 3 (e % 4 == 0) of the fragment row f in one 16-byte store:
+// frag_word puts e + 1 one word after e and e + 2, e + 3 in the upper halves of those two, then
+// the lo parts two words on.
 __device__ __forceinline__ void frag_store4(uint32_t* f, int e, float4 v) {
-  frag_store(f, e, v.x), frag_store(f, e + 1, v.y), frag_store(f, e + 2, v.z), frag_store(f, e + 3, v.w);
+  int half;
+  const int w = frag_word(e, half);
+  uint32_t h02, l02, h13, l13;
+  split_h2(v.x, v.z, h02, l02);
+  split_h2(v.y, v.w, h13, l13);
+  *reinterpret_cast<uint4*>(f + w) = make_uint4(h02, h13, l02, l13);
 }
 
 // Two E4M3 block scales (a little-endian 16-bit pair) x 2^-1, each in both halves of a half2.
