@@ -326,15 +326,20 @@ __global__ void __launch_bounds__(kCombineDims) attention_combine_kernel(const f
     }
   }
   __syncthreads();
-  if (d >= hd) return;
   float t = 0.0f;
-  #pragma unroll
-  for (int s = 0; s < kEarly; ++s)
-    if (s < splits) t = fmaf(early[s], weight[s], t);
-  #pragma unroll 8
-  for (int s = kEarly; s < splits; ++s) t = fmaf(p[s * (hd + 2) + d], weight[s], t);
-  out[(size_t(b) * nq + h) * hd + d] = t;
-  if (out_frag) frag_store(out_frag + size_t(b) * nq * hd, h * hd + d, t);
+  if (d < hd) {
+    #pragma unroll
+    for (int s = 0; s < kEarly; ++s)
+      if (s < splits) t = fmaf(early[s], weight[s], t);
+    #pragma unroll 8
+    for (int s = kEarly; s < splits; ++s) t = fmaf(p[s * (hd + 2) + d], weight[s], t);
+    out[(size_t(b) * nq + h) * hd + d] = t;
+  }
+  if (out_frag) {  // every fourth thread stores its and the next three's values (hd % 4 == 0)
+    const float t1 = __shfl_down_sync(0xffffffffu, t, 1), t2 = __shfl_down_sync(0xffffffffu, t, 2),
+                t3 = __shfl_down_sync(0xffffffffu, t, 3);
+    if (d < hd && (threadIdx.x & 3) == 0) frag_store4(out_frag + size_t(b) * nq * hd, h * hd + d, make_float4(t, t1, t2, t3));
+  }
 }
 
 }  // namespace
@@ -461,7 +466,8 @@ int launch_decode_attention(const float* q, int batch, int nq, int nkv, int hd, 
                             const int32_t* positions, KvLayer cache, const AttentionSplit& split, float* scratch,
                             float* out, cudaStream_t s, const QkPrep* prep, uint32_t* out_frag) {
   if (hd > kMaxHd) fail("CUDA decode attention supports head_dim up to ", kMaxHd, ", got ", hd);
-  if (out_frag && (nq * hd) % kFragChunk != 0) fail("internal: fragment rows of ", nq * hd, " values");
+  if (out_frag && ((nq * hd) % kFragChunk != 0 || hd % 4 != 0))
+    fail("internal: fragment rows of ", nq, " heads of ", hd, " values");
   if (nkv < 1 || nq % nkv != 0) fail("internal: ", nq, " query heads over ", nkv, " KV heads");
   if (!cache.table || cache.row != nkv * hd)
     fail("internal: a KV cache of rows of ", cache.row, " values for ", nkv, " heads of ", hd);

@@ -159,7 +159,7 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
     k_ = buffer<float>(B * nkv * hd);
     v_ = buffer<float>(B * nkv * hd);
     att_ = buffer<float>(B * nq * hd);
-    if ((nq * hd) % kFragChunk == 0) att_frag_ = buffer<uint32_t>(B * nq * hd);
+    if ((nq * hd) % kFragChunk == 0 && hd % 4 == 0) att_frag_ = buffer<uint32_t>(B * nq * hd);
     size_t scratch = 0;
     for (int b = 1; b <= max_batch; ++b)
       scratch = std::max(scratch, attention_scratch_floats(b, int(nq), int(hd), gqa_split(b)));
@@ -411,8 +411,8 @@ void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, Logits rows, bool 
       op("rms_norm", 1, 2 * act * H);
     }
     if (L.is_moe) {
-      // One token: the router's normalization also leaves the row as fragment rows for gate/up.
-      const bool xf_made = fuse_ffn_norm && batch == 1 && moe_.xf && moe_one_token_takes_fragment_rows(L.moe);
+      // The router's normalization also leaves the rows as fragment rows where the experts read them.
+      const bool xf_made = fuse_ffn_norm && moe_.xf && moe_reads_fragment_rows(L.moe, batch, moe_);
       if (fuse_ffn_norm)  // leaves the normalized row in xn_ for the experts
         launch_route(L.moe.router, x_, batch, moe_.logits, moe_.route_done, moe_.experts, moe_.weights, s,
                      RowNorm{L.ffn_norm, eps, xn_, xf_made ? moe_.xf : nullptr});

@@ -555,9 +555,10 @@ bool linear_fuses_norm(const LinearJob* jobs, int njobs, int batch) {
 
 namespace {
 // Passes from this many tokens read fragment rows where given (KESTREL_LINEAR_FRAG_MIN_BATCH, for
-// A/B runs; one token's q/k/v fuse their normalization on CUDA cores whatever it says).
+// A/B runs): one token's o from attention's fragment rows, while its q/k/v fuse their normalization
+// on CUDA cores.
 int linear_frag_min_batch() {
-  static const int v = std::max(1, env_int("KESTREL_LINEAR_FRAG_MIN_BATCH", mma_min_batch()));
+  static const int v = std::max(1, env_int("KESTREL_LINEAR_FRAG_MIN_BATCH", 1));
   return v;
 }
 }  // namespace

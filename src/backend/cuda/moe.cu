@@ -657,6 +657,21 @@ bool moe_takes_fragment_rows(const DMoe& m) {
 
 bool moe_one_token_takes_fragment_rows(const DMoe& m) { return one_token_mma_enabled() && moe_takes_fragment_rows(m); }
 
+namespace {
+// Whether launch_moe_experts takes the expert-grouped kernels for this batch (with or without
+// fragment rows of x).
+bool takes_grouped(const DMoe& m, int batch, const MoeScratch& s, bool frag_in) {
+  return s.out && m.tensor_cores && batch >= grouped_min_batch(frag_in) && batch <= kMaxGroupTokens &&
+         (!m.has_shared || (on_tensor_cores(m.shared_gate) && on_tensor_cores(m.shared_up) &&
+                            on_tensor_cores(m.shared_down) && m.shared_gate.format == m.shared_up.format));
+}
+}  // namespace
+
+bool moe_reads_fragment_rows(const DMoe& m, int batch, const MoeScratch& s) {
+  if (!s.xf) return false;
+  return batch == 1 ? moe_one_token_takes_fragment_rows(m) : moe_takes_fragment_rows(m) && takes_grouped(m, batch, s, true);
+}
+
 void launch_moe(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s, cudaStream_t stream) {
   launch_route(m.router, x, batch, s.logits, s.route_done, s.experts, s.weights, stream);
   const bool frag = batch == 1 && s.xf && moe_one_token_takes_fragment_rows(m);
@@ -676,9 +691,7 @@ int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual
   const int hidden = m.router.w.in;
   // Fragment rows (slot_mma.cuh) in and out of gate/up where every matrix of that side takes them.
   const bool frag_in = s.xf && moe_takes_fragment_rows(m);
-  const bool grouped = s.out && m.tensor_cores && batch >= grouped_min_batch(frag_in) && batch <= kMaxGroupTokens &&
-                       (!m.has_shared || (on_tensor_cores(m.shared_gate) && on_tensor_cores(m.shared_up) &&
-                                          on_tensor_cores(m.shared_down) && m.shared_gate.format == m.shared_up.format));
+  const bool grouped = takes_grouped(m, batch, s, frag_in);
   if (grouped) {
     const bool frag_act = frag_in && m.slot_down_mma && (!m.has_shared || slot_mma_fits(m.shared_down));
     // Warps per tile: the fewest (longest rows per warp, least set-up per byte) that still give
@@ -700,7 +713,7 @@ int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual
     const int ks_gu = warps_per_tile(std::max(m.width, shared_w), hidden, frag_in);
     const int ks_dn = warps_per_tile(hidden, std::min(m.width, m.has_shared ? m.shared_down.in : m.width), frag_act);
     int launches = 3;
-    if (frag_in) {
+    if (frag_in && !xf_made) {
       launch(frag_rows_kernel, dim3(frag_rows_blocks(hidden), unsigned(batch)), dim3(256), 0, stream, x, hidden,
              s.xf);
       KESTREL_CUDA_LAUNCHED();

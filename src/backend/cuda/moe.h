@@ -58,15 +58,20 @@ bool moe_takes_fragment_rows(const DMoe& m);
 // unless KESTREL_MOE_ONE_TOKEN_MMA=0 (for A/B runs).
 bool moe_one_token_takes_fragment_rows(const DMoe& m);
 
+// Whether launch_moe_experts reads s.xf for this batch: one token's gate/up as above, the grouped
+// kernels from 2 tokens. A caller that leaves x there as fragment rows (xf_made) saves the split.
+bool moe_reads_fragment_rows(const DMoe& m, int batch, const MoeScratch& s);
+
 // The experts after routing (s.experts, s.weights): gate/up of all slots, then down with the
-// weighted sum added to the residual. One token, and 2-3 without fragment rows (s.xf and
+// weighted sum added to the residual. xf_made: s.xf already holds x as fragment rows (where
+// moe_reads_fragment_rows). One token, and 2-3 without fragment rows (s.xf and
 // moe_takes_fragment_rows): a launch per step with one block row per slot, on CUDA cores (at one
-// token, gate/up on tensor cores where xf_made says s.xf holds x as fragment rows and
-// moe_one_token_takes_fragment_rows, down where m.slot_down_mma says it can). From 2 tokens with fragment
-// rows, else from 4 (with s.out and m.tensor_cores): the slots are grouped by expert inside each
-// block, so every selected expert's weights (and the shared expert's) are read once for all the
-// tokens that chose it, on tensor cores; then the weighted outputs are added to the residual in
-// slot order.
+// token, gate/up on tensor cores with xf_made and moe_one_token_takes_fragment_rows, down where
+// m.slot_down_mma says it can). From 2 tokens with fragment rows, else from 4 (with s.out and
+// m.tensor_cores): the slots are grouped by expert inside each block, so every selected expert's
+// weights (and the shared expert's) are read once for all the tokens that chose it, on tensor
+// cores (x split into s.xf first unless xf_made); then the weighted outputs are added to the
+// residual in slot order.
 // Returns the number of kernels launched (2 per-slot, 3 or 4 grouped).
 int launch_moe_experts(const DMoe& m, const float* x, int batch, float* residual, const MoeScratch& s,
                        cudaStream_t stream, bool xf_made = false);
