@@ -149,6 +149,9 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   KESTREL_MOE_SLOT_MMA=0 bench qwen3-30b-a3b-down-cuda-cores --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
     --batch 1 --context 1024 --steps 50
   KESTREL_MMA_MIN_BATCH=1 bench qwen3-30b-a3b-mma-b1 --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1 --context 1024 --steps 50
+  # One token's gate/up on CUDA cores from floats instead of tensor cores from the router's fragment rows.
+  KESTREL_MOE_ONE_TOKEN_MMA=0 bench qwen3-30b-a3b-gate-up-cuda-cores --config configs/qwen3-30b-a3b-nvfp4.json \
+    --random-weights --batch 1 --context 1024 --steps 50
   # The router's counter kernel at 1-4 tokens, and attention's splits at every batch (the cluster
   # kernels' alternatives).
   KESTREL_ROUTE_CLUSTER=0 bench qwen3-30b-a3b-route-counter --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
@@ -163,9 +166,10 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   # q/k/v and o on the wide kernel instead of the tiled one with K split over clusters.
   KESTREL_LINEAR_SPLIT=0 bench qwen3-30b-a3b-no-split --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
     --batch 8,16,32,64 --context 1024 --steps 50
-  # q/k/v at 2-7 tokens from the normalized floats, each tile splitting them, instead of fragment rows.
-  KESTREL_LINEAR_FRAG=0 bench qwen3-30b-a3b-qkv-floats --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
-    --batch 2,4 --context 1024 --steps 50
+  # q/k/v at 2-7 tokens and o at 1-7 from floats (each tile splitting them, one token's o on CUDA
+  # cores) instead of fragment rows.
+  KESTREL_LINEAR_FRAG=0 bench qwen3-30b-a3b-linear-floats --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
+    --batch 1,2,4 --context 1024 --steps 50
   KESTREL_MOE_FRAG=0 bench qwen3-30b-a3b-no-frag --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
     --batch 4,8,16,32,64 --context 1024 --steps 50
   KESTREL_PDL=0 bench qwen3-30b-a3b-no-pdl --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 50
