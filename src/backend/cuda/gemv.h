@@ -24,7 +24,7 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
                    RowNorm norm = {}, const uint32_t* x_frag = nullptr);
 
 // Whether launch_linear's tensor-core kernel reads fragment rows of the input for these jobs and
-// batch: 2-7 tokens (KESTREL_LINEAR_FRAG_MIN_BATCH moves the 2), NVFP4 rows of whole 128-weight
+// batch: 1-7 tokens (KESTREL_LINEAR_FRAG_MIN_BATCH moves the 1), NVFP4 rows of whole 128-weight
 // chunks, one K (KESTREL_LINEAR_FRAG=0: never, for A/B runs).
 bool linear_takes_fragment_rows(const LinearJob* jobs, int njobs, int batch);
 

@@ -212,7 +212,7 @@ __device__ __forceinline__ void tile_sum(float (&acc)[N], float (*red)[32][8], i
 
 // Grid: (row blocks, slots), as gate_up_kernel; x: the token's row as fragment rows (made by the
 // router's normalization). A block holds kWarps / ks tiles of 16 gate rows and the same up rows,
-// the ks warps of a tile taking its 128-weight chunks in turn, two chunks of both matrices (288
+// the ks warps of a tile taking its 128-weight chunks in turn, two chunks of both matrices (144
 // bytes a lane) loaded per round; each lane passes the token's row, so all 8 columns of an MMA
 // are the same token and lane (g, j < 2) stores row r0 + g + 8j of the result, as fragment rows
 // for down_mma_kernel (frag_act) or floats for down_kernel. At 1.4 instructions per weight for

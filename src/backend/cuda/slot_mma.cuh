@@ -1,6 +1,7 @@
-// One token's activations times NVFP4 rows on tensor cores (the per-slot down kernel, where each
-// expert's matrix meets a single token): mma.sync m16n8k16 with every column of B holding the same
-// token, so that each lane ends with the dot products of its own two rows, no shuffles needed.
+// One token's activations times NVFP4 rows on tensor cores (the per-slot gate/up and down kernels,
+// where each expert's matrix meets a single token): mma.sync m16n8k16 with every column of B
+// holding the same token, so that each lane ends with the dot products of its own two rows, no
+// shuffles needed.
 //
 // Lane (g, j) = (lane / 4, lane % 4) takes, of each 128-weight chunk of rows ra and rb, the 32
 // weights [32j, 32j + 32): 16 bytes of codes and two block scales per row, one load each. A dot
@@ -12,14 +13,14 @@
 // row", frag_store), so each k-step's B fragments are one 16-byte load. Accuracy and scalings
 // are those of mma_tiles.cuh: the result is acc x mma_unscale(W).
 //
-// Measured limit (docs/PERF.md v17): every lane needs the token's activations for its own k-steps
-// (4 registers per 8 weights: 8 copies of the same values per warp), 4x the L1 traffic per weight
-// of the CUDA-core kernels, whose x loads serve 8 rows. That is why gate/up stays on CUDA cores;
-// down wins (one wave of blocks where the CUDA-core kernel has 1.3).
+// Every lane loads the token's activations for its own k-steps (8 copies of the same values per
+// warp): splitting them per tile from floats, that lost to the CUDA-core gate/up (docs/PERF.md
+// v17); from fragment rows made once by the router's normalization it wins (v26).
 //
-// The expert-grouped kernels (moe.cu, 4+ tokens) take the same chunks with lane (g, j) passing
-// token g's fragment row, so that the 8 columns of B are 8 tokens: the activations split into
-// hi + lo once per layer instead of once per 16-row tile and chunk.
+// The expert-grouped kernels (moe.cu, 2+ tokens) and the fragment-row linear kernel (gemv.cu)
+// take the same chunks with lane (g, j) passing token g's fragment row, so that the 8 columns of
+// B are 8 tokens: the activations split into hi + lo once per layer instead of once per 16-row
+// tile and chunk.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
