@@ -17,6 +17,16 @@ constexpr int kWarps = 8;
 constexpr int kGateUpRows = 4;  // gate rows (and as many up rows) per warp in gate_up_kernel
 constexpr int kDownRows = 4;    // rows per warp in down_kernel (8 spills registers)
 
+// Before the wait, block (0, 0) of the per-slot gate/up kernels puts the expert descriptors into
+// L2 while the router runs: every block reads two after it.
+__device__ __forceinline__ void prefetch_expert_descriptors(const DMoe& m) {
+  if (blockIdx.x == 0 && blockIdx.y == 0) {
+    prefetch_bytes_l2(m.gate, size_t(m.local_experts) * sizeof(DLinear));
+    prefetch_bytes_l2(m.up, size_t(m.local_experts) * sizeof(DLinear));
+    prefetch_bytes_l2(m.down, size_t(m.local_experts) * sizeof(DLinear));
+  }
+}
+
 // Grid: (rows / kWarps, slots). Slot s < batch*top_k is token s / top_k's j-th expert; the
 // slots after those are the shared expert of each token. Frag: act receives fragment rows
 // (slot_mma.cuh) for down_mma_kernel instead of floats.
@@ -26,12 +36,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3) gate_up_kernel(DMoe m, int bat
                                                               int act_stride) {
   constexpr int R = kGateUpRows;
   __shared__ float red[kWarps * R];
-  // The expert descriptors into L2 while the router runs: every block reads two after it.
-  if (blockIdx.x == 0 && blockIdx.y == 0) {
-    prefetch_bytes_l2(m.gate, size_t(m.local_experts) * sizeof(DLinear));
-    prefetch_bytes_l2(m.up, size_t(m.local_experts) * sizeof(DLinear));
-    prefetch_bytes_l2(m.down, size_t(m.local_experts) * sizeof(DLinear));
-  }
+  prefetch_expert_descriptors(m);
   pdl_enter();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int s = blockIdx.y, K = m.router.top_k;
@@ -222,11 +227,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gate_up_mma_kernel(DMoe m, int
                                                                   float* __restrict__ act, int act_stride, int ks,
                                                                   int frag_act) {
   __shared__ float red[kWarps][32][8];
-  if (blockIdx.x == 0 && blockIdx.y == 0) {  // as gate_up_kernel: the descriptors into L2 while the router runs
-    prefetch_bytes_l2(m.gate, size_t(m.local_experts) * sizeof(DLinear));
-    prefetch_bytes_l2(m.up, size_t(m.local_experts) * sizeof(DLinear));
-    prefetch_bytes_l2(m.down, size_t(m.local_experts) * sizeof(DLinear));
-  }
+  prefetch_expert_descriptors(m);
   pdl_enter();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, j = lane & 3;
   const int s = blockIdx.y, K = m.router.top_k;
