@@ -17,6 +17,7 @@
 #include "backend/cuda/graph_profile.h"
 #include "backend/cuda/op_timer.h"
 #include "backend/cuda/rank_group.h"
+#include "backend/cuda/read_chain.h"
 #include "backend/cuda/session.h"
 #include "backend/cuda/upload.h"
 #include "formats/json_file.h"
@@ -65,19 +66,24 @@ std::vector<BarRow> print_graph_ops(cuda::Decoder& dec, const ModelConfig& c, in
   const double kv_per_layer = decode_cost(c, B, context, kv_value_bytes(dec)).kv_cache / double(c.num_layers);
   const cuda::GraphProfile p = cuda::profile_graph(dec, B, replays, s);
   std::printf("  per op at batch %d, inside the step's CUDA graph (the op's nodes alone, %d replays each)\n", B, replays);
-  std::printf("  %-16s %5s %6s %10s %7s %10s %7s %9s %8s\n", "op", "calls", "nodes", "time us", "share", "MB", "GB/s",
-              "floor us", "x floor");
+  std::printf("  %-16s %5s %6s %10s %7s %10s %7s %9s %9s %9s %8s\n", "op", "calls", "nodes", "time us", "share", "MB",
+              "GB/s", "floor us", "chain us", "early us", "x floor");
   std::vector<BarRow> bars;
   double sum = 0;
   for (const auto& o : p.ops) {
     const double bytes = o.bytes + (o.name == "attention" ? kv_per_layer * o.calls : 0.0);
     const double floor_us = bytes / bw * 1e6, us = o.alone_ms * 1e3;
+    // As many kernels as the op's nodes, each only reading an equal share of its bytes.
+    auto chain = [&](bool early) {
+      return bytes > 0 && o.nodes > 0 ? o.nodes * cuda::chained_read_us(size_t(bytes / o.nodes), early, s) : 0.0;
+    };
+    const double chain_us = chain(false), early_us = chain(true);
     sum += us;
-    std::printf("  %-16s %5d %6d %10.1f %6.1f%% %10.2f %7.0f %9.1f %8.1f\n", o.name.c_str(), o.calls, o.nodes, us,
-                100.0 * o.alone_ms / p.step_ms, bytes / 1e6, us > 0 ? bytes / us / 1e3 : 0.0, floor_us,
-                floor_us > 0 ? us / floor_us : 0.0);
+    std::printf("  %-16s %5d %6d %10.1f %6.1f%% %10.2f %7.0f %9.1f %9.1f %9.1f %8.1f\n", o.name.c_str(), o.calls,
+                o.nodes, us, 100.0 * o.alone_ms / p.step_ms, bytes / 1e6, us > 0 ? bytes / us / 1e3 : 0.0, floor_us,
+                chain_us, early_us, floor_us > 0 ? us / floor_us : 0.0);
     out.push_back({{"op", o.name}, {"batch", B}, {"calls", o.calls}, {"nodes", o.nodes}, {"us", us}, {"bytes", bytes},
-                   {"floor_us", floor_us}});
+                   {"floor_us", floor_us}, {"chain_us", chain_us}, {"early_us", early_us}});
     bars.push_back({o.name, us, floor_us});
   }
   const double between = p.step_ms * 1e3 - sum;
@@ -85,7 +91,11 @@ std::vector<BarRow> print_graph_ops(cuda::Decoder& dec, const ModelConfig& c, in
   std::printf("  %-16s %5s %6s %10.1f\n", "step (graph)", "", "", p.step_ms * 1e3);
   std::printf("  between ops: each kernel's wait for its predecessor in the chain, less the overlap an op gets\n"
               "  when replayed alone (its kernels may start early across the disabled nodes: ops of many tiny\n"
-              "  kernels, like rms_norm, read low); the empty graph (%.1f us) is taken off every op\n",
+              "  kernels, like rms_norm, read low); the empty graph (%.1f us) is taken off every op\n"
+              "  chain us: as many kernels as the op's nodes, in a chain where each only waits for the one before\n"
+              "  and then streams its share of the op's bytes (cuda::chained_read_us): what launching, filling and\n"
+              "  draining kernels of that size costs anyway; early us: the same kernels reading before they wait\n"
+              "  (as weights may be read behind the kernel before)\n",
               p.empty_ms * 1e3);
   if (!p.note.empty()) std::printf("  profiled step: %s\n", p.note.c_str());
   out.push_back({{"op", "between_ops"}, {"batch", B}, {"us", between}, {"step_us", p.step_ms * 1e3}});
