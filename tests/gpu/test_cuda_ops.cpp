@@ -198,14 +198,15 @@ std::vector<uint32_t> to_frag(const std::vector<float>& x, int rows, int n) {
 
 // An RMSNorm of the input inside the product (one token on CUDA cores) or, where the kernel
 // cannot take it, launched first into norm.out, with and without room for fragment rows (which
-// 2-7 tokens of NVFP4 rows of whole 128-weight chunks then take, K in uneven shares at 640):
-// against the CPU's norm then product.
+// 2-7 tokens of NVFP4 rows of whole 128-weight chunks then take, K in uneven shares at 640, and
+// one token of a product of 16 M weights and up): against the CPU's norm then product.
 TEST(CudaOps, LinearWithNormMatchesCpu) {
   std::mt19937 rng(21);
   for (const LinearCase& p : {LinearCase{WeightFormat::NVFP4, 300, 2048, 1}, LinearCase{WeightFormat::NVFP4, 64, 784, 1},
                               LinearCase{WeightFormat::NVFP4, 129, 784, 3}, LinearCase{WeightFormat::BF16, 300, 2048, 1},
                               LinearCase{WeightFormat::NVFP4, 300, 2048, 2}, LinearCase{WeightFormat::NVFP4, 2048, 4096, 5},
-                              LinearCase{WeightFormat::NVFP4, 77, 640, 7}, LinearCase{WeightFormat::BF16, 200, 2048, 3}}) {
+                              LinearCase{WeightFormat::NVFP4, 77, 640, 7}, LinearCase{WeightFormat::BF16, 200, 2048, 3},
+                              LinearCase{WeightFormat::NVFP4, 4096, 4096, 1}}) {
     RandomLinear W(p.out, p.in, p.format, rng, true);
     const auto x = test::random_floats(size_t(p.batch) * p.in, rng, 3.0f);
     const auto g = test::random_floats(size_t(p.in), rng);
@@ -218,8 +219,14 @@ TEST(CudaOps, LinearWithNormMatchesCpu) {
       DeviceBuffer<uint32_t> dxf(x.size());
       dy.poison(), dxn.poison(), dxf.poison();
       const cuda::LinearJob job{W.dev, dy.get()};
-      const bool fused = cuda::linear_fuses_norm(&job, 1, p.batch);
-      EXPECT_EQ(fused, p.format == WeightFormat::NVFP4 && p.batch == 1) << p.out << " x " << p.in << ", batch " << p.batch;
+      const bool fused = cuda::linear_fuses_norm(&job, 1, p.batch, frag);
+      // One token fuses on CUDA cores, except a large product (16 M weights) given room for
+      // fragment rows, which takes tensor cores.
+      const bool large = frag && env_switch("KESTREL_LINEAR_FRAG") && double(p.out) * p.in >= 16e6 && p.in % 128 == 0;
+      if (!std::getenv("KESTREL_LINEAR_FRAG_MIN_MWEIGHTS") && !std::getenv("KESTREL_LINEAR_FRAG_MIN_BATCH")) {
+        EXPECT_EQ(fused, p.format == WeightFormat::NVFP4 && p.batch == 1 && !large)
+            << p.out << " x " << p.in << ", batch " << p.batch << (frag ? ", fragment rows" : "");
+      }
       cuda::launch_linear(&job, 1, dx.get(), p.batch, false, nullptr,
                           cuda::RowNorm{dg.get(), 1e-5f, dxn.get(), frag ? dxf.get() : nullptr});
       EXPECT_LE(test::rel_err(dy.download(), ref), kTol)
@@ -229,7 +236,7 @@ TEST(CudaOps, LinearWithNormMatchesCpu) {
       }
       // The fragment rows are made (and so read) exactly where they should be.
       const bool takes = frag && env_switch("KESTREL_LINEAR_FRAG") && p.format == WeightFormat::NVFP4 &&
-                         p.batch >= 2 && p.in % 128 == 0;
+                         (p.batch >= 2 || !fused) && p.in % 128 == 0;
       if (takes) EXPECT_LE(test::rel_err(unfrag(dxf.download(), p.batch, p.in), xn), 1e-6) << "fragment rows";
       else EXPECT_EQ(dxf.download(), std::vector<uint32_t>(x.size(), 0xffffffffu)) << "fragment rows written";
     }

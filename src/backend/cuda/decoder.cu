@@ -108,7 +108,7 @@ Decoder::Decoder(const DeviceModel& model, int max_batch, int max_context, bool 
   const size_t nq = size_t(c.num_heads), nkv = size_t(c.num_kv_heads);
   x_ = buffer<float>(B * H);
   xn_ = buffer<float>(B * H);
-  if (B >= 2 && !c.is_mla()) xf_ = buffer<uint32_t>(B * H);
+  if (!c.is_mla()) xf_ = buffer<uint32_t>(B * H);
   split_ = attention_split(max_context);
   const size_t seqs = one_sequence ? 1 : B, ctx = size_t(max_context);
   table_stride_ = int(KvBlockPool::blocks_for(max_context));
@@ -386,7 +386,7 @@ void Decoder::step(int batch, cudaStream_t s, OpMarks* marks, Logits rows, bool 
       const KvLayer kvl = kv(l);
       if (norm_in_qkv) launch_linear(qkv, 3, x_, batch, false, s, RowNorm{L.attn_norm, eps, xn_, xf_});
       else launch_linear(qkv, 3, xn_, batch, false, s);
-      const int norm_launches = norm_in_qkv && !linear_fuses_norm(qkv, 3, batch) ? 1 : 0;  // launched by launch_linear
+      const int norm_launches = norm_in_qkv && !linear_fuses_norm(qkv, 3, batch, xf_ != nullptr) ? 1 : 0;  // by launch_linear
       op("qkv_proj", 1 + norm_launches, double(L.q.bytes() + L.k.bytes() + L.v.bytes()));
       // QK norm, rotary embedding and the cache write: inside the attention kernel where it can.
       const QkPrep prep{k_, v_, L.q_norm, L.k_norm, eps, rope};

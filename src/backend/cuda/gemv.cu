@@ -545,23 +545,37 @@ bool pass_on_mma(const LinearJob* jobs, int njobs, int left) {
 }
 }  // namespace
 
-bool linear_fuses_norm(const LinearJob* jobs, int njobs, int batch) {
-  if (batch != 1 || njobs < 1 || pass_on_mma(jobs, njobs, batch)) return false;
-  const int in = jobs[0].w.in;
-  for (int i = 0; i < njobs; ++i)
-    if (jobs[i].w.in != in) return false;
-  return in % 4 == 0 && in <= kRowNormMax;
-}
-
 namespace {
 // Passes from this many tokens read fragment rows where given (KESTREL_LINEAR_FRAG_MIN_BATCH, for
-// A/B runs): one token's o from attention's fragment rows, while its q/k/v fuse their normalization
-// on CUDA cores.
+// A/B runs): one token's o from attention's fragment rows, and its q/k/v where they are large
+// (linear_frag_min_weights).
 int linear_frag_min_batch() {
   static const int v = std::max(1, env_int("KESTREL_LINEAR_FRAG_MIN_BATCH", 1));
   return v;
 }
+
+// One token's products of at least this many weights in all (millions; KESTREL_LINEAR_FRAG_MIN_MWEIGHTS,
+// for A/B runs) take their normalization as a launch of its own that writes fragment rows, and
+// then tensor cores, rather than the CUDA-core kernel with the normalization inside: about 1.4
+// instructions per weight instead of 4.7, for a launch more. Measured on q/k/v (docs/PERF.md v27):
+// GLM-4.5-Air's 58.7 M weights -7% per step, Qwen3-30B-A3B's 10.5 M +2.4%.
+double linear_frag_min_weights() {
+  static const double v = 1e6 * std::max(0, env_int("KESTREL_LINEAR_FRAG_MIN_MWEIGHTS", 16));
+  return v;
+}
 }  // namespace
+
+bool linear_fuses_norm(const LinearJob* jobs, int njobs, int batch, bool frag_room) {
+  if (batch != 1 || njobs < 1 || pass_on_mma(jobs, njobs, batch)) return false;
+  const int in = jobs[0].w.in;
+  double weights = 0;
+  for (int i = 0; i < njobs; ++i) {
+    if (jobs[i].w.in != in) return false;
+    weights += double(jobs[i].w.in) * jobs[i].w.out;
+  }
+  if (frag_room && weights >= linear_frag_min_weights() && linear_takes_fragment_rows(jobs, njobs, batch)) return false;
+  return in % 4 == 0 && in <= kRowNormMax;
+}
 
 bool linear_takes_fragment_rows(const LinearJob* jobs, int njobs, int batch) {
   static const bool on = env_switch("KESTREL_LINEAR_FRAG");
@@ -579,7 +593,7 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
   // The input as fragment rows, where the kernel before made them (x_frag) or the normalization does.
   const uint32_t* xf = x_frag && linear_takes_fragment_rows(jobs, njobs, batch) ? x_frag : nullptr;
   if (x_frag && norm.w) fail("internal: launch_linear takes fragment rows of its input or a normalization, not both");
-  if (norm.w && !linear_fuses_norm(jobs, njobs, batch)) {
+  if (norm.w && !linear_fuses_norm(jobs, njobs, batch, norm.frag != nullptr)) {
     const bool frag = norm.frag && linear_takes_fragment_rows(jobs, njobs, batch);
     if (!norm.out && !frag) fail("internal: launch_linear cannot fuse this normalization and has no buffer for it");
     if (frag) {

@@ -29,8 +29,10 @@ void launch_linear(const LinearJob* jobs, int njobs, const float* x, int batch, 
 bool linear_takes_fragment_rows(const LinearJob* jobs, int njobs, int batch);
 
 // Whether launch_linear applies a RowNorm inside its product kernel for these jobs and batch (one
-// token on the CUDA-core kernel, rows of at most kRowNormMax floats).
-bool linear_fuses_norm(const LinearJob* jobs, int njobs, int batch);
+// token on the CUDA-core kernel, rows of at most kRowNormMax floats), given whether the RowNorm has
+// room for fragment rows (frag): with it, large products (16 M weights and up) take a
+// normalization launch that writes those and tensor cores instead.
+bool linear_fuses_norm(const LinearJob* jobs, int njobs, int batch, bool frag_room);
 
 // out[b, n] = silu(gate[n] . x[b]) * (up[n] . x[b]): dense MLP or shared expert, first half.
 void launch_gated(const DLinear& gate, const DLinear& up, const float* x, int batch, float* out, cudaStream_t s);
