@@ -174,6 +174,10 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     --batch 4,8,16,32,64 --context 1024 --steps 50
   KESTREL_PDL=0 bench qwen3-30b-a3b-no-pdl --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 50
   bench glm-4.5-air --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,2,4,8 --context 1024 --steps 30
+  bench glm-4.5-air-ops --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1 --context 1024 --steps 30 --ops
+  # One token's q/k/v (58.7 M weights) with the RMSNorm fused on CUDA cores instead of tensor cores.
+  KESTREL_LINEAR_FRAG_MIN_MWEIGHTS=100000 bench glm-4.5-air-qkv-cuda-cores --config configs/glm-4.5-air-nvfp4.json \
+    --random-weights --batch 1 --context 1024 --steps 30
   # o at 2-7 tokens in 8-warp blocks instead of 16 (256 tiles of 192 chunks).
   KESTREL_LINEAR_WIDE16=0 bench glm-4.5-air-wide8 --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 2,4 \
     --context 1024 --steps 30

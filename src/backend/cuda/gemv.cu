@@ -557,10 +557,11 @@ int linear_frag_min_batch() {
 // One token's products of at least this many weights in all (millions; KESTREL_LINEAR_FRAG_MIN_MWEIGHTS,
 // for A/B runs) take their normalization as a launch of its own that writes fragment rows, and
 // then tensor cores, rather than the CUDA-core kernel with the normalization inside: about 1.4
-// instructions per weight instead of 4.7, for a launch more. Measured on q/k/v (docs/PERF.md v27):
-// GLM-4.5-Air's 58.7 M weights -7% per step, Qwen3-30B-A3B's 10.5 M +2.4%.
+// instructions per weight instead of 4.7, for a launch more. Set between the q/k/v measured at one
+// token (docs/PERF.md v27, per step): Qwen3-30B-A3B's 10.5 M weights +2.4% on tensor cores; 14.7 M
+// (48 heads) -4.1%, Qwen3-235B-A22B's 37.7 M -3.8%, GLM-4.5-Air's 58.7 M -7%.
 double linear_frag_min_weights() {
-  static const double v = 1e6 * std::max(0, env_int("KESTREL_LINEAR_FRAG_MIN_MWEIGHTS", 16));
+  static const double v = 1e6 * std::max(0, env_int("KESTREL_LINEAR_FRAG_MIN_MWEIGHTS", 12));
   return v;
 }
 }  // namespace

@@ -30,7 +30,7 @@ bool linear_takes_fragment_rows(const LinearJob* jobs, int njobs, int batch);
 
 // Whether launch_linear applies a RowNorm inside its product kernel for these jobs and batch (one
 // token on the CUDA-core kernel, rows of at most kRowNormMax floats), given whether the RowNorm has
-// room for fragment rows (frag): with it, large products (16 M weights and up) take a
+// room for fragment rows (frag): with it, large products (12 M weights and up) take a
 // normalization launch that writes those and tensor cores instead.
 bool linear_fuses_norm(const LinearJob* jobs, int njobs, int batch, bool frag_room);
 
