@@ -22,6 +22,7 @@
 #include "backend/cuda/mla.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/norm_rope.h"
+#include "backend/cuda/read_chain.h"
 #include "common/env.h"
 #include "common/numeric.h"
 #include "../unit/fixture.h"
@@ -903,6 +904,21 @@ TEST(CudaOps, QkRopeAttentionOfOneSequenceMatchCpu) {
   EXPECT_THROW(cuda::launch_decode_attention(dq.get(), T, nq, nkv, hd, 0.125f, dpos.get(), kv.layer(true), split,
                                              scratch.get(), dout.get(), nullptr, &prep),
                std::exception);
+}
+
+// The per-op report's read chains (bench --ops): a time per kernel that grows with its bytes, from
+// an empty-ish kernel to one that cannot be under its bytes at 5 TB/s (above the H200's).
+TEST(CudaOps, ReadChainTimesKernels) {
+  cudaStream_t s;
+  KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));  // a graph cannot capture the legacy stream
+  for (const bool early : {false, true}) {
+    const double small = cuda::chained_read_us(size_t(64) << 10, early, s);
+    const double large = cuda::chained_read_us(size_t(64) << 20, early, s);
+    EXPECT_GT(small, 0.0) << (early ? "reads before the wait" : "reads after the wait");
+    EXPECT_GT(large, double(size_t(64) << 20) / 5e12 * 1e6) << (early ? "reads before the wait" : "reads after the wait");
+    EXPECT_GT(large, 2 * small) << (early ? "reads before the wait" : "reads after the wait");
+  }
+  KESTREL_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
 TEST(CudaOps, EmbedAndArgmax) {

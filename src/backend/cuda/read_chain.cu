@@ -37,7 +37,8 @@ __global__ void __launch_bounds__(kThreads) read_kernel(const uint4* __restrict_
 double chained_read_us(size_t bytes, bool early, cudaStream_t s) {
   const size_t words = std::max<size_t>(1, (bytes + 15) / 16), per = words * 16;
   const size_t pool = std::max<size_t>(per, size_t(256) << 20);
-  const int kernels = int(std::max<size_t>(64, (pool + per - 1) / per));
+  // Tiny reads find L2 warm from the chain's last round anyway; 2048 kernels bound the graph.
+  const int kernels = int(std::clamp<size_t>((pool + per - 1) / per, 64, 2048));
   // A grid of at most 4 blocks per SM (the step's kernels run 2-5), each thread with kDepth loads.
   const int blocks = int(std::min<size_t>(size_t(4) * sm_count(), (words + kThreads * kDepth - 1) / (kThreads * kDepth)));
   uint4* buf = nullptr;

@@ -10,8 +10,9 @@
 
 namespace kestrel::cuda {
 
-// Microseconds per kernel of a chain whose kernels read `bytes` each (distinct bytes per kernel,
-// at least 256 MB over the chain so that no kernel finds its bytes in L2); median of 5 replays.
+// Microseconds per kernel of a chain of 64 to 2048 kernels that read `bytes` each (distinct bytes
+// per kernel, 256 MB over the chain where 2048 kernels reach it, so that no kernel finds its bytes
+// in L2); median of 5 replays.
 // early = false: each kernel waits for the one before, then reads (bytes that depend on it);
 // true: each reads, then waits (bytes that do not, like weights, read behind the kernel before).
 double chained_read_us(size_t bytes, bool early, cudaStream_t s);
