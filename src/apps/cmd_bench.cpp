@@ -84,7 +84,7 @@ std::vector<BarRow> print_graph_ops(cuda::Decoder& dec, const ModelConfig& c, in
                 chain_us, early_us, floor_us > 0 ? us / floor_us : 0.0);
     out.push_back({{"op", o.name}, {"batch", B}, {"calls", o.calls}, {"nodes", o.nodes}, {"us", us}, {"bytes", bytes},
                    {"floor_us", floor_us}, {"chain_us", chain_us}, {"early_us", early_us}});
-    bars.push_back({o.name, us, floor_us});
+    bars.push_back({o.name, us, floor_us, chain_us});
   }
   const double between = p.step_ms * 1e3 - sum;
   std::printf("  %-16s %5s %6s %10.1f %6.1f%%\n", "between ops", "", "", between, 100.0 * between / (p.step_ms * 1e3));
