@@ -22,12 +22,36 @@ bool RequestStream::next(TokenEvent& e) {
   return true;
 }
 
+bool RequestStream::try_next(TokenEvent& e, bool& ended) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ended = events_.empty() && ended_ == choices();
+  if (events_.empty()) return false;
+  e = std::move(events_.front());
+  events_.pop_front();
+  if (e.finish != Finish::None) ++ended_;
+  ended = events_.empty() && ended_ == choices();
+  return true;
+}
+
+void RequestStream::set_notify(std::function<void()> f) {
+  std::function<void()> now;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    notify_ = std::move(f);
+    if (!events_.empty()) now = notify_;
+  }
+  if (now) now();
+}
+
 void RequestStream::push(TokenEvent e) {
+  std::function<void()> notify;
   {
     std::lock_guard<std::mutex> lock(mu_);
     events_.push_back(std::move(e));
+    notify = notify_;
   }
   cv_.notify_all();
+  if (notify) notify();
 }
 
 uint64_t choice_seed(uint64_t seed, int index) {

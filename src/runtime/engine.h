@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -78,12 +79,18 @@ struct TokenEvent {
 };
 
 // The consumer side of one request: the events of its choices, interleaved in the order they
-// were made. next() blocks for the next event; cancel() ends every choice at the next step and
+// were made. next() blocks for the next event; an event-driven consumer instead sets a notify
+// function (called on the engine's thread after each event is queued: it must only schedule
+// work) and takes events with try_next(). cancel() ends every choice at the next step and
 // frees their KV positions (a client that went away), cancel(i) only choice i (a stop string).
 class RequestStream {
  public:
   explicit RequestStream(int choices = 1);
   bool next(TokenEvent& e);  // false once every choice's end event has been taken
+  // The next event if one is queued; `ended` is set once every choice's end event was taken.
+  bool try_next(TokenEvent& e, bool& ended);
+  // Called after each push from then on (and once at once when events are already queued).
+  void set_notify(std::function<void()> f);
   void cancel() { cancelled_ = true; }
   void cancel(int choice) { choice_cancelled_.at(size_t(choice)) = true; }
   bool cancelled() const { return cancelled_; }
@@ -98,6 +105,7 @@ class RequestStream {
   int ended_ = 0;  // end events taken
   std::atomic<bool> cancelled_{false};
   std::vector<std::atomic<bool>> choice_cancelled_;
+  std::function<void()> notify_;  // under mu_
 };
 
 // submit() on an engine that is shutting down (a server answers 503, not 400).
