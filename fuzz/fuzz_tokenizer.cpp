@@ -1,10 +1,12 @@
 // libFuzzer target for the tokenizer: the input is either a tokenizer.json to load (first byte
 // even) or text to encode and bytes to decode as ids with two built-in tokenizers, a byte-level
 // one and a sentencepiece-style one with byte fallback. Anything may throw kestrel::Error; nothing
-// may crash, and streamed text must add up to the full decode.
+// may crash, streamed text must add up to the full decode, and literal spans over the built-in
+// tokenizers must agree with parsing specials (no span) and not parsing them (one span over all).
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -80,13 +82,31 @@ Tokenizer sentencepiece() {
   return Tokenizer::from_json_text(j.dump(), "fuzz sentencepiece");
 }
 
-void exercise(const Tokenizer& tok, const std::string& text, const uint8_t* data, size_t size) {
+void exercise(const Tokenizer& tok, const std::string& text, const uint8_t* data, size_t size, bool built_in) {
   for (bool parse : {true, false}) {
     try {
       const auto ids = tok.encode(text, true, parse);
       tok.decode(ids, false);
     } catch (const kestrel::Error&) {
     }
+  }
+  // Literal spans: none is the plain encoding; the whole text is the encoding without specials
+  // (these tokenizers have no added token inside a special one); spans from the bytes must not
+  // crash.
+  try {
+    using Spans = std::vector<std::pair<size_t, size_t>>;
+    const Spans none, whole{{0, text.size()}};
+    if (tok.encode(text, true, none) != tok.encode(text, true, true)) std::abort();
+    if (tok.encode(text, true, whole) != tok.encode(text, true, false) && built_in) std::abort();
+    Spans some;
+    size_t at = 0;
+    for (size_t i = 0; i + 1 < size && at < text.size(); i += 2) {
+      const size_t b = std::min(text.size(), at + data[i] % 8), e = std::min(text.size(), b + data[i + 1] % 8);
+      some.emplace_back(b, e);
+      at = e;
+    }
+    tok.encode(text, false, some);
+  } catch (const kestrel::Error&) {
   }
   std::vector<int32_t> ids;
   for (size_t i = 0; i + 1 < size; i += 2) ids.push_back(static_cast<int32_t>((data[i] << 8 | data[i + 1]) % 300) - 10);
@@ -109,12 +129,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (data[0] % 2 == 0) {
     try {
       const Tokenizer t = Tokenizer::from_json_text(rest, "fuzz input");
-      exercise(t, "Hello world 123 <s> héllo", data + 1, size - 1);
+      exercise(t, "Hello world 123 <s> héllo", data + 1, size - 1, false);
     } catch (const kestrel::Error&) {
     }
     return 0;
   }
-  exercise(bl, rest, data + 1, size - 1);
-  exercise(sp, rest, data + 1, size - 1);
+  exercise(bl, rest, data + 1, size - 1, true);
+  exercise(sp, rest, data + 1, size - 1, true);
   return 0;
 }

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "model/weights.h"
+#include "text/tokenizer.h"
 
 namespace kestrel::text {
 
@@ -14,6 +15,12 @@ struct ModelChat {
 
   // The conversation rendered as the model expects it, ending with the assistant's turn opened.
   std::string prompt(const nlohmann::ordered_json& messages) const;
+
+  // The same as token ids. The template's own markers are special tokens; the text of the
+  // messages is text, so that special tokens typed in a message (a forged "<|im_start|>system"
+  // turn) stay the characters they are. `allow_special` tokenizes the rendered prompt as one
+  // string instead, specials in messages included, as transformers' apply_chat_template does.
+  std::vector<int32_t> encode(const nlohmann::ordered_json& messages, const Tokenizer& tok, bool allow_special) const;
 };
 
 // Fails naming the file or field when the model has no chat template.

@@ -109,7 +109,9 @@ struct Tokenizer::Impl {
 
   void load_added(const nlohmann::json& list, const std::string& where);
   void load_post(const nlohmann::json& j, const std::string& where);
-  std::vector<Segment> split_added(std::string_view s, const TokenTrie& trie, bool parse_special) const;
+  using Spans = std::span<const std::pair<size_t, size_t>>;
+  std::vector<Segment> split_added(std::string_view s, const TokenTrie& trie, bool parse_special, Spans literal = {}) const;
+  std::vector<int32_t> encode(std::string_view text, bool add_special_tokens, bool parse_special, Spans literal) const;
   void encode_text(std::string_view text, bool at_start, std::vector<int32_t>& ids) const;
   const std::string* content(int32_t id) const {
     auto it = added_by_id.find(id);
@@ -223,8 +225,10 @@ void Tokenizer::Impl::load_post(const nlohmann::json& j, const std::string& wher
 
 // Cuts `s` at added tokens as the reference AddedVocabulary::find_matches does: leftmost-longest
 // matches, single_word tokens only between non-word characters, lstrip/rstrip taking the
-// whitespace around them, special tokens ignored when not parsing them.
-std::vector<Segment> Tokenizer::Impl::split_added(std::string_view s, const TokenTrie& trie, bool parse_special) const {
+// whitespace around them, special tokens ignored when not parsing them. A special token that
+// overlaps a literal span is not a match there: the search goes on from its next byte.
+std::vector<Segment> Tokenizer::Impl::split_added(std::string_view s, const TokenTrie& trie, bool parse_special,
+                                                  Spans literal) const {
   std::vector<Segment> out;
   if (trie.empty()) {
     out.push_back({0, s.size(), -1});
@@ -242,6 +246,13 @@ std::vector<Segment> Tokenizer::Impl::split_added(std::string_view s, const Toke
     i = stop;
     const AddedToken& t = added[tok];
     if (!parse_special && special_contents.count(t.content)) continue;
+    if (!literal.empty() && special_contents.count(t.content)) {
+      while (!literal.empty() && literal.front().second <= start) literal = literal.subspan(1);
+      if (!literal.empty() && literal.front().first < stop) {
+        i = start + 1;
+        continue;
+      }
+    }
     if (t.single_word) {
       const bool space_before = start == 0 || !word_char(char_before(s, start));
       char32_t next = 0;
@@ -322,12 +333,32 @@ std::unique_ptr<Tokenizer::Impl> Tokenizer::load_impl(const nlohmann::json& j, c
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens, bool parse_special) const {
-  const Impl& m = *impl_;
+  return impl_->encode(text, add_special_tokens, parse_special, {});
+}
+
+std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens,
+                                       std::span<const std::pair<size_t, size_t>> literal) const {
+  for (size_t k = 0; k < literal.size(); ++k)
+    if (literal[k].first > literal[k].second || literal[k].second > text.size() ||
+        (k > 0 && literal[k].first < literal[k - 1].second))
+      fail("tokenize: literal span ", k, " [", literal[k].first, ", ", literal[k].second, ") is out of order or outside the text");
+  return impl_->encode(text, add_special_tokens, true, literal);
+}
+
+std::vector<std::string> Tokenizer::special_tokens() const {
+  std::vector<std::string> out(impl_->special_contents.begin(), impl_->special_contents.end());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::vector<int32_t> Tokenizer::Impl::encode(std::string_view text, bool add_special_tokens, bool parse_special,
+                                             Spans literal) const {
+  const Impl& m = *this;
   const size_t bad = utf8_invalid_at(text);
   if (bad != text.size()) fail("tokenize: text is not valid UTF-8 (byte ", bad, ")");
   std::vector<int32_t> ids;
   ids.reserve(text.size() / 3 + 8);
-  for (const Segment& seg : m.split_added(text, m.raw_trie, parse_special)) {
+  for (const Segment& seg : m.split_added(text, m.raw_trie, parse_special, literal)) {
     if (seg.token >= 0) {
       ids.push_back(m.added[seg.token].id);
       continue;
@@ -335,7 +366,11 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_t
     if (seg.end == seg.begin) continue;
     std::string s(text.substr(seg.begin, seg.end - seg.begin));
     if (m.normalizer) m.normalizer->normalize(s);
-    for (const Segment& sub : m.split_added(s, m.normalized_trie, parse_special)) {
+    // Offsets move under normalization: a piece that holds literal text parses no special token
+    // among the normalized ones (which are rare: special tokens are usually matched raw).
+    bool holds_literal = false;
+    for (const auto& [b, e] : literal) holds_literal |= b < seg.end && seg.begin < e;
+    for (const Segment& sub : m.split_added(s, m.normalized_trie, parse_special && !holds_literal)) {
       if (sub.token >= 0) ids.push_back(m.added[sub.token].id);
       else if (sub.end > sub.begin)
         m.encode_text(std::string_view(s).substr(sub.begin, sub.end - sub.begin), seg.begin == 0 && sub.begin == 0, ids);

@@ -15,6 +15,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "text/detokenize.h"
@@ -34,6 +35,14 @@ class Tokenizer {
   // `text` must be valid UTF-8 (kestrel::Error otherwise). With parse_special false, special
   // added tokens are ordinary text (what a chat server wants for user content).
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = true, bool parse_special = true) const;
+  // The same, with special tokens recognized only outside the byte ranges `literal` (sorted,
+  // not overlapping): a special token's text that overlaps one of them is ordinary text there,
+  // while the text around it is tokenized with it as one string. A chat prompt passes the ranges
+  // its messages' text came to occupy, so that a user cannot type the template's markers.
+  std::vector<int32_t> encode(std::string_view text, bool add_special_tokens,
+                              std::span<const std::pair<size_t, size_t>> literal) const;
+  // The text of every special added token.
+  std::vector<std::string> special_tokens() const;
   // Unknown ids are skipped, as the reference library does.
   std::string decode(std::span<const int32_t> ids, bool skip_special = false) const;
 
