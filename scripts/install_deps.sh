@@ -4,7 +4,7 @@ set -euo pipefail
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 PKGS=(cmake ninja-build g++ pkg-config libgtest-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libicu-dev clang libclang-rt-14-dev
-      libcpp-httplib-dev python3-venv)
+      libcpp-httplib-dev libboost1.81-dev python3-venv)
 missing=()
 for p in "${PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

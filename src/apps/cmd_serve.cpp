@@ -47,7 +47,60 @@ struct Options {
   std::string quant = "none", device = "auto";
   Layout layout;
   std::string kv_dtype = "auto";
+  server::HttpLimits http;
+  std::string max_body = "8MiB", max_header_bytes = "32KiB";
+  bool allow_special = false;
 };
+
+void add_http_options(CLI::App& app, Options& o) {
+  server::HttpLimits& h = o.http;
+  app.add_option("--max-body", o.max_body, "Largest request body, chunked or not (default 8MiB; 413 beyond)");
+  app.add_option("--max-header-bytes", o.max_header_bytes,
+                 "Largest request line and headers together (default 32KiB; 431 beyond)");
+  app.add_option("--max-headers", h.max_headers, "Most header fields in a request (default 100; 431 beyond)");
+  app.add_option("--idle-timeout", h.idle_timeout, "Seconds a connection may wait for its next request (default 60)");
+  app.add_option("--header-timeout", h.header_timeout,
+                 "Seconds from a request's first byte to its last header (default 10)");
+  app.add_option("--body-timeout", h.body_timeout, "Seconds to receive a request's body (default 60)");
+  app.add_option("--write-timeout", h.write_timeout,
+                 "Seconds a write may wait on a client that does not read (default 60; then the request is cancelled)");
+  app.add_option("--max-connections", h.max_connections, "Connections open at once (default 2048; 503 beyond)");
+  app.add_option("--max-connections-per-client", h.max_connections_per_client,
+                 "Connections open at once from one address (default 512; 503 beyond)");
+  app.add_option("--backlog", h.backlog, "Connections the kernel queues before they are accepted (default 1024)");
+  app.add_option("--http-threads", h.io_threads, "Threads running the connections' I/O (default 2)");
+  app.add_option("--http-workers", h.workers,
+                 "Threads preparing requests: JSON, chat templates, tokenizing (default 4)");
+  app.add_flag("--allow-special-in-content", o.allow_special,
+               "Tokenize special tokens typed in chat messages as special tokens, as transformers does "
+               "(default: message text stays text; /v1/completions always parses them)");
+}
+
+// The HTTP limits from their flags, checked.
+server::HttpLimits http_limits(const Options& o) {
+  server::HttpLimits h = o.http;
+  h.max_body = parse_size(o.max_body, "--max-body");
+  const uint64_t header = parse_size(o.max_header_bytes, "--max-header-bytes");
+  if (header < 256 || header > (64u << 20)) fail("--max-header-bytes: expected 256 bytes to 64MiB, got ", o.max_header_bytes);
+  h.max_header_bytes = uint32_t(header);
+  auto positive = [](double v, const char* flag) {
+    if (!(v > 0)) fail(flag, ": must be more than 0 seconds, got ", v);
+  };
+  positive(h.idle_timeout, "--idle-timeout");
+  positive(h.header_timeout, "--header-timeout");
+  positive(h.body_timeout, "--body-timeout");
+  positive(h.write_timeout, "--write-timeout");
+  auto at_least_one = [](int v, const char* flag) {
+    if (v < 1) fail(flag, ": must be at least 1, got ", v);
+  };
+  at_least_one(h.max_headers, "--max-headers");
+  at_least_one(h.max_connections, "--max-connections");
+  at_least_one(h.max_connections_per_client, "--max-connections-per-client");
+  at_least_one(h.backlog, "--backlog");
+  at_least_one(h.io_threads, "--http-threads");
+  at_least_one(h.workers, "--http-workers");
+  return h;
+}
 
 // --kv-tokens, --kv-blocks or --kv-memory (at most one) as KV positions; 0: the engine's default.
 int64_t kv_positions(const Options& o, const ModelConfig& c) {
@@ -88,6 +141,7 @@ Run add_serve(CLI::App& app) {
   add_quant_option(app, o->quant);
   add_layout_options(app, o->layout);
   add_kv_dtype_option(app, o->kv_dtype);
+  add_http_options(app, *o);
   app.add_option("--device", o->device,
                  "auto (the GPU when one is present and reads the model's formats), cpu or cuda (at most " +
                      std::to_string(kMaxGpuBatch) + " sequences at once on the GPU)");
@@ -97,6 +151,7 @@ Run add_serve(CLI::App& app) {
     check_kv_dtype_option(o->kv_dtype);
     if (o->port < 0 || o->port > 65535) fail("--port: expected 0..65535, got ", o->port);
     if (o->grace < 0) fail("--grace: must be >= 0");
+    const server::HttpLimits limits = http_limits(*o);
     if (!std::filesystem::exists(o->model)) fail(o->model, ": no such file or folder");
     // Signals go to the waiting thread below, not to whichever thread they happen to hit.
     sigset_t signals;
@@ -164,6 +219,8 @@ Run add_serve(CLI::App& app) {
     so.host = o->host;
     so.port = o->port;
     so.api_key = o->api_key;
+    so.limits = limits;
+    so.allow_special_in_content = o->allow_special;
     so.model_name = o->name.empty() ? std::filesystem::path(o->model).filename().replace_extension().string() : o->name;
     if (so.model_name.empty()) so.model_name = "model";
     server::HttpServer http(engine, tok, chat, so);

@@ -1,7 +1,5 @@
 #include "server/http_server.h"
 
-#include <httplib.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -10,7 +8,6 @@
 
 #include "common/error.h"
 #include "runtime/sampler.h"
-#include "server/openai_api.h"
 #include "server/openapi.h"
 #include "text/detokenize.h"
 
@@ -44,16 +41,26 @@ std::string new_id(Endpoint e) {
   return buf;
 }
 
-void send_error(httplib::Response& res, const ApiError& e) {
-  res.status = e.status;
-  res.set_content(error_body(e), "application/json");
+HttpReply json_reply(std::string body, int status = 200) {
+  HttpReply r;
+  r.now.status = status;
+  r.now.body = std::move(body);
+  return r;
+}
+
+HttpResponse error_response(const ApiError& e) {
+  HttpResponse r;
+  r.status = e.status;
+  r.body = error_body(e);
+  return r;
 }
 
 }  // namespace
 
-// One request's generation: the engine's events of its choices turned into text, stop strings
-// and log-probabilities, choice by choice.
-struct HttpServer::Generation {
+// One request's generation, made as the engine's events arrive: text, stop strings and
+// log-probabilities choice by choice, sent as one JSON response at the end or as server-sent
+// events while it runs. Polled on the connection's strand (HttpProducer).
+struct HttpServer::Generation : HttpProducer {
   struct ChoiceState {
     text::StreamDecoder decoder;
     StopMatcher stop;
@@ -64,6 +71,7 @@ struct HttpServer::Generation {
     ChoiceState(const text::Tokenizer& t, std::vector<std::string> stops) : decoder(t, true), stop(std::move(stops)) {}
   };
 
+  Endpoint endpoint;
   ApiRequest req;
   Completion c;
   std::vector<ChoiceState> state;  // per choice, beside c.choices
@@ -71,21 +79,86 @@ struct HttpServer::Generation {
   std::shared_ptr<RequestStream> stream;
   const text::Tokenizer& tok;
   Metrics& metrics;
-  clock_type::time_point start = clock_type::now();
+  clock_type::time_point start_time = clock_type::now();
+  bool head_sent = false, over = false;
 
-  Generation(ApiRequest r, const text::Tokenizer& t, Metrics& m) : req(std::move(r)), open(req.n), tok(t), metrics(m) {
+  Generation(Endpoint e, ApiRequest r, const text::Tokenizer& t, Metrics& m)
+      : endpoint(e), req(std::move(r)), open(req.n), tok(t), metrics(m) {
     c.choices.resize(size_t(req.n));
     for (int i = 0; i < req.n; ++i) state.emplace_back(t, req.stop);
   }
   bool finished() const { return open == 0; }
+  bool logprobs() const { return req.top_logprobs >= 0; }
 
-  // Waits for the next event of any choice. Returns its choice, with the new text and tokens in
-  // `delta` and `tokens`, and c.choices[i].finish_reason set when it ended the choice; -1 for an
-  // event of a choice that already ended (a stop string cancelled it). Throws ApiError when the
-  // engine failed or shut down.
-  int advance(std::string& delta, std::vector<TokenInfo>& tokens) {
+  void start(std::function<void()> wake) override { stream->set_notify(std::move(wake)); }
+
+  void cancel() override {
+    stream->set_notify(nullptr);
+    stream->cancel();
+  }
+
+  Poll poll() override {
+    Poll p;
+    if (over) return p;
+    if (req.stream && !head_sent) {
+      HttpResponse h;
+      h.content_type = "text/event-stream";
+      h.headers = {{"Cache-Control", "no-cache"}};
+      h.stream = true;
+      p.head = std::move(h);
+      head_sent = true;
+    }
+    try {
+      while (!finished()) {
+        std::string delta;
+        std::vector<TokenInfo> tokens;
+        const auto i = take(delta, tokens);
+        if (!i) return p;  // nothing more yet
+        if (*i < 0) continue;
+        if (req.stream) {
+          // One chunk per event of a choice (its first always, for the chat role), and one with
+          // its finish_reason when it ends.
+          ChoiceState& st = state[size_t(*i)];
+          if (!delta.empty() || !tokens.empty() || !st.started) {
+            p.body += sse(chunk_json(endpoint, c, *i, delta, tokens, logprobs(), "", !st.started));
+            st.started = true;
+          }
+          if (st.finished) p.body += sse(chunk_json(endpoint, c, *i, "", {}, false, c.choices[size_t(*i)].finish_reason, false));
+        } else {
+          Choice& ch = c.choices[size_t(*i)];
+          ch.text += delta;
+          for (TokenInfo& t : tokens) ch.tokens.push_back(std::move(t));
+        }
+      }
+      if (req.stream) {
+        if (req.include_usage) p.body += sse(usage_chunk_json(endpoint, c));
+        p.body += "data: [DONE]\n\n";
+      } else {
+        HttpResponse h;
+        h.body = dump(response_json(endpoint, c, logprobs()));
+        p.head = std::move(h);
+      }
+    } catch (const ApiError& e) {
+      stream->cancel();
+      if (req.stream) p.body += "data: " + error_body(e) + "\n\ndata: [DONE]\n\n";
+      else p.head = error_response(e);
+    }
+    stream->set_notify(nullptr);
+    over = p.done = true;
+    return p;
+  }
+
+  // Takes the next event of any choice when one is queued: its choice, with the new text and
+  // tokens in `delta` and `tokens`, and c.choices[i].finish_reason set when it ended the choice;
+  // -1 for an event of a choice that already ended (a stop string cancelled it); nothing when no
+  // event is queued. Throws ApiError when the engine failed or shut down.
+  std::optional<int> take(std::string& delta, std::vector<TokenInfo>& tokens) {
     TokenEvent e;
-    if (!stream->next(e)) throw ApiError(500, "the request's stream ended without a result");
+    bool ended = false;
+    if (!stream->try_next(e, ended)) {
+      if (ended) throw ApiError(500, "the request's stream ended without a result");
+      return std::nullopt;
+    }
     const int i = e.index;
     if (i < 0 || i >= req.n) throw ApiError(500, "an event of choice " + std::to_string(i) + " the request does not have");
     ChoiceState& st = state[size_t(i)];
@@ -94,7 +167,7 @@ struct HttpServer::Generation {
       ++st.tokens;
       ++c.usage.completion_tokens;
       const auto now = clock_type::now();
-      if (c.usage.completion_tokens == 1) metrics.first_token(seconds_since(start));
+      if (c.usage.completion_tokens == 1) metrics.first_token(seconds_since(start_time));
       if (st.tokens > 1) metrics.inter_token(std::chrono::duration<double>(now - st.last_token).count());
       st.last_token = now;
       std::string piece = st.stop.push(st.decoder.push(e.token));
@@ -124,194 +197,93 @@ struct HttpServer::Generation {
   void end(int i, const char* reason) {
     c.choices[size_t(i)].finish_reason = reason;
     state[size_t(i)].finished = true;
-    if (--open == 0) metrics.request_time(seconds_since(start));
+    if (--open == 0) metrics.request_time(seconds_since(start_time));
   }
 };
 
 HttpServer::HttpServer(Engine& engine, const text::Tokenizer& tok, std::optional<text::ModelChat> chat, ServerOptions o)
-    : engine_(engine), tok_(tok), chat_(std::move(chat)), o_(std::move(o)), svr_(std::make_unique<httplib::Server>()),
-      created_(unix_now()) {
-  const int threads = o_.threads;
-  svr_->new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
-  svr_->set_payload_max_length(8u << 20);
-  // Streamed chunks are small writes; with Nagle's algorithm each waits for the client's
-  // (delayed) ACK of the one before.
-  svr_->set_tcp_nodelay(true);
-  routes();
+    : engine_(engine), tok_(tok), chat_(std::move(chat)), o_(std::move(o)), created_(unix_now()) {
+  front_ = std::make_unique<HttpFront>(o_.limits, o_.api_key, routes(),
+                                       [this](const std::string& route, int status) { metrics_.request(route, status); });
 }
 
 HttpServer::~HttpServer() = default;
 
-int HttpServer::bind() {
-  if (o_.port == 0) {
-    const int port = svr_->bind_to_any_port(o_.host);
-    if (port < 0) fail("cannot listen on ", o_.host, " (any port)");
-    return port;
-  }
-  if (!svr_->bind_to_port(o_.host, o_.port)) fail("cannot listen on ", o_.host, ":", o_.port, " (in use, or not an address of this machine)");
-  return o_.port;
+int HttpServer::bind() { return front_->bind(o_.host, o_.port); }
+
+void HttpServer::serve() { front_->serve(); }
+
+void HttpServer::stop() { front_->stop(); }
+
+std::vector<HttpRoute> HttpServer::routes() {
+  std::vector<HttpRoute> r;
+  r.push_back({"GET", "/health", "health", false, false, [](const HttpRequest&) { return json_reply("{\"status\":\"ok\"}"); }});
+  r.push_back({"GET", "/v1/models", "models", true, false, [this](const HttpRequest&) {
+                 json m = {{"id", o_.model_name}, {"object", "model"}, {"created", created_}, {"owned_by", "kestrel"},
+                           {"max_model_len", engine_.context()}};
+                 return json_reply(dump(json{{"object", "list"}, {"data", json::array({m})}}));
+               }});
+  r.push_back({"GET", "/openapi.json", "openapi", false, false, [this](const HttpRequest&) {
+                 return json_reply(dump(openapi_spec(o_.model_name, engine_.context(), std::min(kMaxChoices, engine_.max_batch()))));
+               }});
+  r.push_back({"GET", "/metrics", "metrics", false, false, [this](const HttpRequest&) {
+                 HttpReply m = json_reply(metrics_.render(engine_.stats(), front_->stats()));
+                 m.now.content_type = "text/plain; version=0.0.4";
+                 return m;
+               }});
+  r.push_back({"POST", "/v1/completions", "completions", true, true,
+               [this](const HttpRequest& q) { return generate(Endpoint::Completions, q); }});
+  r.push_back({"POST", "/v1/chat/completions", "chat_completions", true, true,
+               [this](const HttpRequest& q) { return generate(Endpoint::Chat, q); }});
+  return r;
 }
 
-void HttpServer::serve() { svr_->listen_after_bind(); }
-
-void HttpServer::stop() { svr_->stop(); }
-
-void HttpServer::routes() {
-  auto authorized = [this](const httplib::Request& req, httplib::Response& res) {
-    if (o_.api_key.empty()) return true;
-    if (req.get_header_value("Authorization") == "Bearer " + o_.api_key) return true;
-    send_error(res, ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')"));
-    return false;
-  };
-
-  svr_->Get("/health", [](const httplib::Request&, httplib::Response& res) { res.set_content("{\"status\":\"ok\"}", "application/json"); });
-
-  svr_->Get("/v1/models", [this, authorized](const httplib::Request& req, httplib::Response& res) {
-    if (!authorized(req, res)) return;
-    json m = {{"id", o_.model_name}, {"object", "model"}, {"created", created_}, {"owned_by", "kestrel"},
-              {"max_model_len", engine_.context()}};
-    res.set_content(dump(json{{"object", "list"}, {"data", json::array({m})}}), "application/json");
-  });
-
-  svr_->Get("/openapi.json", [this](const httplib::Request&, httplib::Response& res) {
-    res.set_content(dump(openapi_spec(o_.model_name, engine_.context(), std::min(kMaxChoices, engine_.max_batch()))),
-                    "application/json");
-  });
-
-  svr_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-    res.set_content(metrics_.render(engine_.stats()), "text/plain; version=0.0.4");
-  });
-
-  auto generate = [this, authorized](Endpoint endpoint, const std::string& name) {
-    return [this, authorized, endpoint, name](const httplib::Request& req, httplib::Response& res) {
-      if (!authorized(req, res)) return metrics_.request(name, res.status);
-      std::shared_ptr<Generation> g;
-      try {
-        ApiRequest r = parse_request(endpoint, req.body);
-        if (r.model != o_.model_name)
-          throw ApiError(404, "the model '" + r.model + "' does not exist; this server serves '" + o_.model_name + "'", "model");
-        GenerationRequest gr;
-        if (endpoint == Endpoint::Chat) {
-          if (!chat_) throw ApiError(400, "this model has no chat template; use /v1/completions", "messages");
-          try {
-            gr.prompt = tok_.encode(chat_->prompt(r.messages), false, true);
-          } catch (const Error& e) {
-            throw ApiError(400, std::string("the chat template failed on these messages: ") + e.what(), "messages");
-          }
-        } else {
-          gr.prompt = r.prompt_tokens.empty() ? tok_.encode(r.prompt, true, true) : r.prompt_tokens;
-        }
-        if (gr.prompt.empty()) throw ApiError(400, "the prompt encodes to no tokens", "prompt");
-        const int64_t room = engine_.context() - int64_t(gr.prompt.size());
-        if (room < 1)
-          throw ApiError(400, "the prompt has " + std::to_string(gr.prompt.size()) + " tokens; the context holds " +
-                                  std::to_string(engine_.context()),
-                         endpoint == Endpoint::Chat ? "messages" : "prompt");
-        gr.max_tokens = r.max_tokens ? *r.max_tokens : int(endpoint == Endpoint::Chat ? room : std::min<int64_t>(16, room));
-        gr.sampling = r.sampling;
-        if (!r.seeded) gr.sampling.seed = fresh_seed();
-        gr.top_logprobs = r.top_logprobs;
-        gr.ignore_eos = r.ignore_eos;
-        gr.n = r.n;
-        const int64_t prompt_tokens = int64_t(gr.prompt.size());
-        g = std::make_shared<Generation>(std::move(r), tok_, metrics_);
-        try {
-          g->stream = engine_.submit(std::move(gr));
-        } catch (const EngineStopped& e) {
-          throw ApiError(503, e.what());
-        } catch (const RequestError& e) {
-          throw ApiError(400, e.what(), e.field);
-        } catch (const Error& e) {
-          throw ApiError(400, e.what());
-        }
-        g->c.id = new_id(endpoint);
-        g->c.model = o_.model_name;
-        g->c.created = unix_now();
-        g->c.usage.prompt_tokens = prompt_tokens;
-      } catch (const ApiError& e) {
-        send_error(res, e);
-        return metrics_.request(name, res.status);
-      }
-
-      const bool logprobs = g->req.top_logprobs >= 0;
-      if (!g->req.stream) {
-        try {
-          while (!g->finished()) {
-            std::string delta;
-            std::vector<TokenInfo> tokens;
-            const int i = g->advance(delta, tokens);
-            if (i < 0) continue;
-            Choice& ch = g->c.choices[size_t(i)];
-            ch.text += delta;
-            for (TokenInfo& t : tokens) ch.tokens.push_back(std::move(t));
-          }
-        } catch (const ApiError& e) {
-          g->stream->cancel();
-          send_error(res, e);
-          return metrics_.request(name, res.status);
-        }
-        res.set_content(dump(response_json(endpoint, g->c, logprobs)), "application/json");
-        return metrics_.request(name, 200);
-      }
-
-      metrics_.request(name, 200);
-      res.set_header("Cache-Control", "no-cache");
-      res.set_chunked_content_provider(
-          "text/event-stream",
-          [g, endpoint, logprobs](size_t, httplib::DataSink& sink) {
-            auto write = [&](const std::string& s) { return sink.write(s.data(), s.size()); };
-            try {
-              // One chunk per event of a choice (its first always, for the chat role), and one
-              // with its finish_reason when it ends.
-              while (!g->finished()) {
-                std::string delta;
-                std::vector<TokenInfo> tokens;
-                const int i = g->advance(delta, tokens);
-                if (i < 0) continue;
-                Generation::ChoiceState& st = g->state[size_t(i)];
-                bool ok = true;
-                if (!delta.empty() || !tokens.empty() || !st.started) {
-                  ok = write(sse(chunk_json(endpoint, g->c, i, delta, tokens, logprobs, "", !st.started)));
-                  st.started = true;
-                }
-                if (ok && st.finished)
-                  ok = write(sse(chunk_json(endpoint, g->c, i, "", {}, false, g->c.choices[size_t(i)].finish_reason, false)));
-                if (!ok) {
-                  g->stream->cancel();  // the client went away: every choice ends
-                  return false;
-                }
-              }
-              if (g->req.include_usage) write(sse(usage_chunk_json(endpoint, g->c)));
-            } catch (const ApiError& e) {
-              g->stream->cancel();
-              write("data: " + error_body(e) + "\n\n");
-            }
-            write("data: [DONE]\n\n");
-            sink.done();
-            return true;
-          },
-          [g](bool) { g->stream->cancel(); });
-    };
-  };
-  svr_->Post("/v1/completions", generate(Endpoint::Completions, "completions"));
-  svr_->Post("/v1/chat/completions", generate(Endpoint::Chat, "chat_completions"));
-
-  svr_->set_error_handler([](const httplib::Request&, httplib::Response& res) {
-    if (!res.body.empty()) return;
-    const int status = res.status;
-    send_error(res, ApiError(status, status == 404 ? "no such endpoint" : "request failed with HTTP " + std::to_string(status)));
-    res.status = status;
-  });
-  svr_->set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-    std::string what = "internal error";
+HttpReply HttpServer::generate(Endpoint endpoint, const HttpRequest& http) {
+  ApiRequest r = parse_request(endpoint, http.body);
+  if (r.model != o_.model_name)
+    throw ApiError(404, "the model '" + r.model + "' does not exist; this server serves '" + o_.model_name + "'", "model");
+  GenerationRequest gr;
+  if (endpoint == Endpoint::Chat) {
+    if (!chat_) throw ApiError(400, "this model has no chat template; use /v1/completions", "messages");
     try {
-      std::rethrow_exception(ep);
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
+      gr.prompt = chat_->encode(r.messages, tok_, o_.allow_special_in_content);
+    } catch (const Error& e) {
+      throw ApiError(400, std::string("the chat template failed on these messages: ") + e.what(), "messages");
     }
-    send_error(res, ApiError(500, what));
-  });
+  } else {
+    // The client writes the whole prompt here, template markers included: specials are parsed.
+    gr.prompt = r.prompt_tokens.empty() ? tok_.encode(r.prompt, true, true) : r.prompt_tokens;
+  }
+  if (gr.prompt.empty()) throw ApiError(400, "the prompt encodes to no tokens", "prompt");
+  const int64_t room = engine_.context() - int64_t(gr.prompt.size());
+  if (room < 1)
+    throw ApiError(400, "the prompt has " + std::to_string(gr.prompt.size()) + " tokens; the context holds " +
+                            std::to_string(engine_.context()),
+                   endpoint == Endpoint::Chat ? "messages" : "prompt");
+  gr.max_tokens = r.max_tokens ? *r.max_tokens : int(endpoint == Endpoint::Chat ? room : std::min<int64_t>(16, room));
+  gr.sampling = r.sampling;
+  if (!r.seeded) gr.sampling.seed = fresh_seed();
+  gr.top_logprobs = r.top_logprobs;
+  gr.ignore_eos = r.ignore_eos;
+  gr.n = r.n;
+  const int64_t prompt_tokens = int64_t(gr.prompt.size());
+  auto g = std::make_shared<Generation>(endpoint, std::move(r), tok_, metrics_);
+  try {
+    g->stream = engine_.submit(std::move(gr));
+  } catch (const EngineStopped& e) {
+    throw ApiError(503, e.what());
+  } catch (const RequestError& e) {
+    throw ApiError(400, e.what(), e.field);
+  } catch (const Error& e) {
+    throw ApiError(400, e.what());
+  }
+  g->c.id = new_id(endpoint);
+  g->c.model = o_.model_name;
+  g->c.created = unix_now();
+  g->c.usage.prompt_tokens = prompt_tokens;
+  HttpReply reply;
+  reply.later = std::move(g);
+  return reply;
 }
 
 }  // namespace kestrel::server

@@ -1,20 +1,18 @@
-// `kestrel serve`'s HTTP side: the OpenAI-compatible endpoints over the engine's request queue.
-// GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (JSON or
-// server-sent events), GET /metrics. Text is tokenized, templated and detokenized here; the
-// engine sees token ids only.
+// `kestrel serve`'s endpoints: the OpenAI-compatible API over the engine's request queue, on the
+// HTTP front (http_front.h). GET /health, GET /v1/models, POST /v1/completions, POST
+// /v1/chat/completions (JSON or server-sent events), GET /metrics, GET /openapi.json. Text is
+// tokenized, templated and detokenized here; the engine sees token ids only.
 #pragma once
 #include <memory>
 #include <optional>
 #include <string>
 
 #include "runtime/engine.h"
+#include "server/http_front.h"
 #include "server/metrics.h"
+#include "server/openai_api.h"
 #include "text/model_chat.h"
 #include "text/tokenizer.h"
-
-namespace httplib {
-class Server;
-}
 
 namespace kestrel::server {
 
@@ -23,7 +21,10 @@ struct ServerOptions {
   int port = 8000;            // 0: any free port
   std::string api_key;        // empty: no authentication
   std::string model_name;     // the id clients must ask for
-  int threads = 128;          // connections served at once
+  HttpLimits limits;
+  // Special tokens typed in chat messages become special tokens (transformers' behaviour);
+  // by default they stay text.
+  bool allow_special_in_content = false;
 };
 
 class HttpServer {
@@ -38,14 +39,15 @@ class HttpServer {
 
  private:
   struct Generation;
-  void routes();
+  std::vector<HttpRoute> routes();
+  HttpReply generate(Endpoint endpoint, const HttpRequest& req);
 
   Engine& engine_;
   const text::Tokenizer& tok_;
   std::optional<text::ModelChat> chat_;
   ServerOptions o_;
   Metrics metrics_;
-  std::unique_ptr<httplib::Server> svr_;
+  std::unique_ptr<HttpFront> front_;
   int64_t created_;
 };
 

@@ -56,7 +56,7 @@ void Metrics::request_time(double s) {
   e2e_.observe(s);
 }
 
-std::string Metrics::render(const EngineStats& e) const {
+std::string Metrics::render(const EngineStats& e, const HttpStats& h) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::string out = "# HELP kestrel_requests_total HTTP requests by endpoint and status.\n# TYPE kestrel_requests_total counter\n";
   for (const auto& [key, n] : requests_)
@@ -68,6 +68,14 @@ std::string Metrics::render(const EngineStats& e) const {
   gauge(out, "kestrel_requests_waiting", "Sequences queued for admission (n per request of n choices).", "gauge", e.waiting);
   gauge(out, "kestrel_kv_positions_used", "KV cache positions reserved by running sequences.", "gauge", double(e.kv_used));
   gauge(out, "kestrel_kv_positions_capacity", "KV cache positions in all.", "gauge", double(e.kv_capacity));
+  gauge(out, "kestrel_http_connections", "HTTP connections open.", "gauge", double(h.open));
+  gauge(out, "kestrel_http_connections_accepted_total", "HTTP connections accepted.", "counter", double(h.accepted));
+  gauge(out, "kestrel_http_connections_refused_total",
+        "HTTP connections refused over --max-connections or --max-connections-per-client.", "counter", double(h.refused));
+  gauge(out, "kestrel_http_timeouts_total", "HTTP connections cut by a timeout (idle, headers, body or write).", "counter",
+        double(h.timed_out));
+  gauge(out, "kestrel_http_client_gone_total", "Replies cancelled because their client went away.", "counter",
+        double(h.client_gone));
   ttft_.render(out, "kestrel_time_to_first_token_seconds", "Time from request to first generated token.");
   itl_.render(out, "kestrel_inter_token_latency_seconds", "Time between consecutive generated tokens.");
   e2e_.render(out, "kestrel_request_duration_seconds", "Time from request to its last token.");

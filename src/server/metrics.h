@@ -1,5 +1,6 @@
 // Server metrics in the Prometheus text format: requests by endpoint and status, tokens in and
-// out, time to first token and inter-token latency histograms, and the engine's queue and KV use.
+// out, time to first token and inter-token latency histograms, the engine's queue and KV use, and
+// the HTTP front's connections.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "runtime/engine.h"
+#include "server/http_front.h"
 
 namespace kestrel::server {
 
@@ -30,7 +32,7 @@ class Metrics {
   void first_token(double seconds);
   void inter_token(double seconds);
   void request_time(double seconds);
-  std::string render(const EngineStats& engine) const;
+  std::string render(const EngineStats& engine, const HttpStats& http) const;
 
  private:
   mutable std::mutex mu_;

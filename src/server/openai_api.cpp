@@ -1,5 +1,6 @@
 #include "server/openai_api.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -92,7 +93,30 @@ std::string error_body(const ApiError& e) {
   return dump(json{{"error", err}});
 }
 
+size_t json_nesting(std::string_view text) {
+  size_t depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 ApiRequest parse_request(Endpoint endpoint, const std::string& body) {
+  // Deep nesting costs the parser memory and stack far beyond the body's size, and no request
+  // needs it.
+  if (json_nesting(body) > kMaxJsonNesting)
+    throw ApiError(400, "the request body nests arrays and objects deeper than " + std::to_string(kMaxJsonNesting) + " levels");
   json j = json::parse(body, nullptr, false);
   if (j.is_discarded()) throw ApiError(400, "the request body is not valid JSON");
   if (!j.is_object()) throw ApiError(400, std::string("the request body must be a JSON object, got ") + type_name(j));

@@ -8,6 +8,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "runtime/sampler.h"
@@ -48,6 +49,11 @@ struct ApiRequest {
 // The most choices (`n`) one request may ask for; a server also refuses more than it runs at
 // once (--max-batch).
 constexpr int kMaxChoices = 16;
+
+// The deepest nesting of arrays and objects a request body may have.
+constexpr size_t kMaxJsonNesting = 64;
+// How deep `text` nests arrays and objects (brackets outside strings; no validation).
+size_t json_nesting(std::string_view text);
 
 // Parses a request body. Throws ApiError (400) on invalid JSON, wrong types, missing fields,
 // values out of range and options kestrel does not support (best_of other than n, suffix, tools).

@@ -43,7 +43,9 @@ json generation_path(const char* summary, const json& schema) {
               {"400", error_response("invalid request: the message names the field")},
               {"401", error_response("missing or wrong API key")},
               {"404", error_response("unknown model")},
-              {"503", error_response("the server is shutting down")}}}}}};
+              {"413", error_response("the body exceeds --max-body")},
+              {"431", error_response("the headers exceed --max-headers or --max-header-bytes")},
+              {"503", error_response("the server is shutting down, or too many connections are open")}}}}}};
 }
 
 }  // namespace

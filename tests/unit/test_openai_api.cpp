@@ -110,6 +110,27 @@ TEST(OpenAiApi, RejectsInvalidRequests) {
   EXPECT_EQ(blamed(H, R"({"model":"m","messages":[{"role":"user","content":"x"}],"tools":[]})"), "tools");
 }
 
+TEST(OpenAiApi, RefusesDeepNesting) {
+  EXPECT_EQ(json_nesting(R"({"a":[1,{"b":[]}]})"), 4u);
+  EXPECT_EQ(json_nesting(R"({"a":"[[[[{{{{\"[["})"), 1u);  // brackets in strings, escaped quotes
+  EXPECT_EQ(json_nesting("]]]}}}"), 0u);
+  const std::string deep = std::string(kMaxJsonNesting + 1, '[') + std::string(kMaxJsonNesting + 1, ']');
+  try {
+    parse_request(Endpoint::Completions, deep);
+    FAIL() << "accepted " << kMaxJsonNesting + 1 << " levels";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status, 400);
+    EXPECT_NE(std::string(e.what()).find("deeper than 64"), std::string::npos) << e.what();
+  }
+  // At the limit the body is parsed (and refused for what it is: an array, not an object).
+  const std::string ok = std::string(kMaxJsonNesting, '[') + std::string(kMaxJsonNesting, ']');
+  try {
+    parse_request(Endpoint::Completions, ok);
+  } catch (const ApiError& e) {
+    EXPECT_NE(std::string(e.what()).find("must be a JSON object"), std::string::npos) << e.what();
+  }
+}
+
 TEST(OpenAiApi, BuildsResponsesAndChunks) {
   Completion c;
   c.id = "chatcmpl-1";
