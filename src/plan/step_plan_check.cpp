@@ -1,0 +1,190 @@
+#include "plan/step_plan_check.h"
+
+#include <algorithm>
+#include <random>
+
+#include "common/error.h"
+
+namespace kestrel {
+
+std::string describe_instr(const StepPlan& p, int32_t i) {
+  if (i < 0 || size_t(i) >= p.instrs.size()) return "instruction " + std::to_string(i) + " (none)";
+  const StepInstr& in = p.instrs[size_t(i)];
+  std::string s = in.layer >= 0 ? "layer " + std::to_string(in.layer) + " " : "";
+  s += step_op_name(in.op);
+  switch (in.op) {
+    case StepOp::QkRopeStore:
+    case StepOp::AttnCombine: s += " kv head " + std::to_string(in.a); break;
+    case StepOp::AttnSplit: s += " kv head " + std::to_string(in.a) + " split " + std::to_string(in.b); break;
+    case StepOp::Route: break;
+    case StepOp::ExpertGateUp:
+      s += " expert " + std::to_string(in.c) + " [" + std::to_string(in.a) + ", " + std::to_string(in.b) + ")";
+      break;
+    default: s += " [" + std::to_string(in.a) + ", " + std::to_string(in.b) + ")";
+  }
+  return s + " (#" + std::to_string(i) + ", SM " + std::to_string(in.sm) + " slot " + std::to_string(in.slot) + ")";
+}
+
+namespace {
+
+std::string span_text(const StepSpan& s, int64_t u) {
+  return std::string(step_buf_name(s.buf)) + "[" + std::to_string(u) + "...]";
+}
+
+}  // namespace
+
+void check_step_plan(const StepPlan& p) {
+  const size_t N = p.instrs.size(), S = p.queues.size(), K = p.counters.size();
+  const auto name = [&](int32_t i) { return describe_instr(p, i); };
+  if (S == 0) fail("plan: no queues");
+  // Structure.
+  std::vector<int32_t> signals(K, 0);
+  for (size_t sm = 0; sm < S; ++sm) {
+    const auto& q = p.queues[sm];
+    for (size_t k = 0; k < q.size(); ++k) {
+      const int32_t i = q[k];
+      if (i < 0 || size_t(i) >= N) fail("plan: SM ", sm, " slot ", k, " holds instruction ", i, " of ", N);
+      const StepInstr& in = p.instrs[size_t(i)];
+      if (in.sm != int32_t(sm) || in.slot != int32_t(k)) fail("plan: ", name(i), " is in the queue of SM ", sm, " slot ", k);
+      if (k > 0 && q[k - 1] >= i) fail("plan: SM ", sm, " runs ", name(q[k - 1]), " before ", name(i), " (out of program order)");
+    }
+  }
+  size_t queued = 0;
+  for (const auto& q : p.queues) queued += q.size();
+  if (queued != N) fail("plan: ", N, " instructions, ", queued, " in the queues");
+  if (p.units.size() != size_t(kStepBufCount)) fail("plan: units of ", p.units.size(), " buffers, not ", kStepBufCount);
+  std::vector<std::vector<int32_t>> producers(K);
+  for (int32_t i = 0; i < int32_t(N); ++i) {
+    const StepInstr& in = p.instrs[size_t(i)];
+    for (const auto* list : {&in.reads, &in.writes})
+      for (const StepSpan& s : *list)
+        if (s.begin < 0 || s.end > p.units[size_t(s.buf)] || s.begin >= s.end)
+          fail("plan: ", name(i), list == &in.reads ? " reads " : " writes ", step_buf_name(s.buf), "[", s.begin, ", ",
+               s.end, ") of ", p.units[size_t(s.buf)]);
+    if (in.signal < 0 || size_t(in.signal) >= K) fail("plan: ", name(i), " advances counter ", in.signal, " of ", K);
+    producers[size_t(in.signal)].push_back(i);
+    for (size_t w = 0; w < in.waits.size(); ++w) {
+      const int32_t k = in.waits[w];
+      if (k < 0 || size_t(k) >= K) fail("plan: ", name(i), " waits on counter ", k, " of ", K);
+      if (w > 0 && in.waits[w - 1] >= k) fail("plan: ", name(i), " lists its waits out of order");
+    }
+  }
+  for (size_t k = 0; k < K; ++k) {
+    if (int32_t(producers[k].size()) != p.counters[k].producers)
+      fail("plan: counter ", k, " expects ", p.counters[k].producers, " producers, ", producers[k].size(), " advance it");
+    if (producers[k].empty()) fail("plan: counter ", k, " has no producer");
+  }
+  for (int32_t i = 0; i < int32_t(N); ++i)
+    for (int32_t k : p.instrs[size_t(i)].waits)
+      if (producers[size_t(k)].back() >= i)
+        fail("plan: ", name(i), " waits on counter ", k, ", which ", name(producers[size_t(k)].back()),
+             " advances later in program order");
+
+  // Happens-before: start[i][s] = instructions of SM s complete when instruction i may start.
+  std::vector<std::vector<int32_t>> start(N), counter_clock(K);
+  std::vector<std::vector<int32_t>> sm_clock(S, std::vector<int32_t>(S, 0));
+  for (int32_t i = 0; i < int32_t(N); ++i) {
+    const StepInstr& in = p.instrs[size_t(i)];
+    std::vector<int32_t> vc = sm_clock[size_t(in.sm)];
+    for (int32_t k : in.waits)
+      for (size_t s = 0; s < S; ++s) vc[s] = std::max(vc[s], counter_clock[size_t(k)][s]);
+    start[size_t(i)] = vc;
+    vc[size_t(in.sm)] = in.slot + 1;
+    auto& ck = counter_clock[size_t(in.signal)];
+    if (ck.empty()) ck.assign(S, 0);
+    for (size_t s = 0; s < S; ++s) ck[s] = std::max(ck[s], vc[s]);
+    sm_clock[size_t(in.sm)] = std::move(vc);
+  }
+  // j happens before i.
+  auto before = [&](int32_t j, int32_t i) {
+    const StepInstr& a = p.instrs[size_t(j)];
+    return start[size_t(i)][size_t(a.sm)] > a.slot;
+  };
+  // Hazards, segment by segment (StepSegments: the finest cut any access makes) in program order.
+  const StepSegments seg(p);
+  std::vector<std::vector<int32_t>> last(kStepBufCount);
+  std::vector<std::vector<std::vector<int32_t>>> readers(kStepBufCount);
+  for (int b = 0; b < kStepBufCount; ++b) {
+    last[size_t(b)].assign(size_t(seg.count(StepBuf(b))), -1);
+    readers[size_t(b)].assign(size_t(seg.count(StepBuf(b))), {});
+  }
+  auto unit = [&](const StepSpan& s, int64_t k) { return seg.cuts[size_t(s.buf)][size_t(k)]; };
+  for (int32_t i = 0; i < int32_t(N); ++i) {
+    const StepInstr& in = p.instrs[size_t(i)];
+    for (const StepSpan& s : in.reads) {
+      const auto [u0, u1] = seg.of(s);
+      for (int64_t u = u0; u < u1; ++u) {
+        const int32_t w = last[size_t(s.buf)][size_t(u)];
+        if (w >= 0 && w != i && !before(w, i))
+          fail("plan: ", name(i), " may read ", span_text(s, unit(s, u)), " before ", name(w),
+               " writes it: no wait orders them");
+      }
+    }
+    for (const StepSpan& s : in.writes) {
+      const auto [u0, u1] = seg.of(s);
+      for (int64_t u = u0; u < u1; ++u) {
+        const int32_t w = last[size_t(s.buf)][size_t(u)];
+        if (w >= 0 && w != i && !before(w, i))
+          fail("plan: ", name(i), " may write ", span_text(s, unit(s, u)), " before ", name(w),
+               " writes it: no wait orders them");
+        for (int32_t r : readers[size_t(s.buf)][size_t(u)])
+          if (r != i && !before(r, i))
+            fail("plan: ", name(i), " may write ", span_text(s, unit(s, u)), " before ", name(r),
+                 " reads it: no wait orders them");
+      }
+    }
+    for (const StepSpan& s : in.reads) {
+      const auto [u0, u1] = seg.of(s);
+      for (int64_t u = u0; u < u1; ++u) readers[size_t(s.buf)][size_t(u)].push_back(i);
+    }
+    for (const StepSpan& s : in.writes) {
+      const auto [u0, u1] = seg.of(s);
+      for (int64_t u = u0; u < u1; ++u) {
+        readers[size_t(s.buf)][size_t(u)].clear();
+        last[size_t(s.buf)][size_t(u)] = i;
+      }
+    }
+  }
+}
+
+std::vector<int32_t> simulate_step_plan(const StepPlan& p, uint64_t seed) {
+  const size_t S = p.queues.size();
+  std::vector<int32_t> value(p.counters.size(), 0), order;
+  std::vector<size_t> head(S, 0);
+  std::mt19937_64 rng(seed);
+  auto ready = [&](size_t sm) {
+    if (head[sm] >= p.queues[sm].size()) return false;
+    for (int32_t k : p.instrs[size_t(p.queues[sm][head[sm]])].waits)
+      if (value[size_t(k)] < p.counters[size_t(k)].producers) return false;
+    return true;
+  };
+  std::vector<size_t> can;
+  while (order.size() < p.instrs.size()) {
+    can.clear();
+    for (size_t sm = 0; sm < S; ++sm)
+      if (ready(sm)) can.push_back(sm);
+    if (can.empty()) {
+      std::string blocked;
+      for (size_t sm = 0; sm < S && blocked.size() < 600; ++sm) {
+        if (head[sm] >= p.queues[sm].size()) continue;
+        const int32_t i = p.queues[sm][head[sm]];
+        blocked += "\n  " + describe_instr(p, i) + " waits on";
+        for (int32_t k : p.instrs[size_t(i)].waits)
+          if (value[size_t(k)] < p.counters[size_t(k)].producers)
+            blocked += " counter " + std::to_string(k) + " (" + std::to_string(value[size_t(k)]) + " of " +
+                       std::to_string(p.counters[size_t(k)].producers) + ")";
+      }
+      fail("plan: the queues stop after ", order.size(), " of ", p.instrs.size(), " instructions:", blocked);
+    }
+    const size_t sm = can[rng() % can.size()];
+    const int32_t i = p.queues[sm][head[sm]++];
+    ++value[size_t(p.instrs[size_t(i)].signal)];
+    order.push_back(i);
+  }
+  for (size_t k = 0; k < value.size(); ++k)
+    if (value[k] != p.counters[k].producers)
+      fail("plan: counter ", k, " ends at ", value[k], " of ", p.counters[k].producers);
+  return order;
+}
+
+}  // namespace kestrel
