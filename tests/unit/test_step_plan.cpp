@@ -180,7 +180,7 @@ TEST_P(StepPlanRun, MatchesTheForwardPass) {
     o.batch = batch;
     o.sms = 5;
     o.row_quantum = 4;
-    o.context = 12;
+    o.context = 200;  // several splits of the positions, some empty
     const StepPlan p = make_step_plan(c, o);
     ASSERT_NO_THROW(check_step_plan(p));
     // Sequences of different lengths; the plan's step and the reference decode one token each.

@@ -1,0 +1,79 @@
+// The persistent step's product tiles that are not experts: the embedding rows, q | k | v after
+// the attention RMSNorm, o added to the residual, the router's rows after the FFN RMSNorm, a
+// dense layer's gate/up and down, and the LM head after the final RMSNorm.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "backend/cuda/persistent/op_rows.cuh"
+
+namespace kestrel::cuda {
+
+__device__ inline void embed_rows(const PProgram& P) {
+  const DLinear& E = P.embed;
+  for (int b = 0; b < P.batch; ++b) {
+    const size_t row = size_t(P.tokens[b]) * E.in;
+    for (int i = threadIdx.x; i < P.hidden; i += blockDim.x) {
+      const size_t k = row + i;
+      P.x[size_t(b) * P.hidden + i] = E.format == DFormat::F32   ? reinterpret_cast<const float*>(E.data)[k]
+                                      : E.format == DFormat::F16 ? __half2float(reinterpret_cast<const __half*>(E.data)[k])
+                                                                 : __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(E.data)[k]);
+    }
+  }
+}
+
+// Rows [a, b) of q | k | v: a tile never straddles a head, so it lies in one of the three.
+template <int B>
+__device__ void norm_qkv(const PProgram& P, const PInstr& in) {
+  const DLayer& L = P.layers[in.layer];
+  float* xn = block_xn(P);
+  norm_rows(P, L.attn_norm, xn);
+  const int qr = P.heads * P.head_dim, kr = P.kv_heads * P.head_dim;
+  const DLinear& W = in.a < qr ? L.q : in.a < qr + kr ? L.k : L.v;
+  const int base = in.a < qr ? 0 : in.a < qr + kr ? qr : qr + kr;
+  float* qkv = P.qkv;
+  const int stride = P.qkv_rows;
+  tile_rows<B>(W, in.a - base, in.b - base, xn, P.hidden, P.batch,
+               [&](int row, int b, float v) { qkv[size_t(b) * stride + base + row] = v; });
+}
+
+template <int B>
+__device__ void o_proj(const PProgram& P, const PInstr& in) {
+  const int qr = P.heads * P.head_dim;
+  tile_rows<B>(P.layers[in.layer].o, in.a, in.b, P.att, qr, P.batch,
+               [&](int row, int b, float v) { P.x[size_t(b) * P.hidden + row] += v; });
+}
+
+template <int B>
+__device__ void norm_router(const PProgram& P, const PInstr& in) {
+  const DLayer& L = P.layers[in.layer];
+  float* xn = block_xn(P);
+  norm_rows(P, L.ffn_norm, xn);
+  tile_rows<B>(L.moe.router.w, in.a, in.b, xn, P.hidden, P.batch,
+               [&](int row, int b, float v) { P.router[size_t(b) * P.experts + row] = v; });
+}
+
+template <int B>
+__device__ void mlp_gate_up(const PProgram& P, const PInstr& in) {
+  const DLayer& L = P.layers[in.layer];
+  float* xn = block_xn(P);
+  norm_rows(P, L.ffn_norm, xn);
+  tile_gated_rows<B>(L.gate, L.up, in.a, in.b, xn, P.hidden, P.batch,
+                     [&](int row, int b, float v) { P.mid[size_t(b) * P.mlp_rows + row] = v; });
+}
+
+template <int B>
+__device__ void mlp_down(const PProgram& P, const PInstr& in) {
+  tile_rows<B>(P.layers[in.layer].down, in.a, in.b, P.mid, P.mlp_rows, P.batch,
+               [&](int row, int b, float v) { P.x[size_t(b) * P.hidden + row] += v; });
+}
+
+template <int B>
+__device__ void head_logits(const PProgram& P, const PInstr& in) {
+  float* xn = block_xn(P);
+  norm_rows(P, P.final_norm, xn);
+  tile_rows<B>(P.lm_head, in.a, in.b, xn, P.hidden, P.batch,
+               [&](int row, int b, float v) { P.logits[size_t(b) * P.vocab + row] = v; });
+}
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,46 @@
+// The persistent decode step: one launch of one resident block per SM interprets a step plan
+// (plan/step_plan.h): each block runs its queue, waiting on counters before an instruction and
+// advancing one after it, so a tile of the next op starts as soon as its inputs exist. The ops
+// (persistent/op_*.cuh) compute what cpu::run_step_plan computes. This first interpreter keeps
+// each op plain (CUDA cores, weights read as they are used); the weight pages that load the next
+// instructions' weights during a wait are the next step (docs/PERF.md v28).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <memory>
+
+#include "backend/cuda/decoder.h"
+#include "backend/cuda/device_model.h"
+#include "plan/step_plan.h"
+
+namespace kestrel::cuda {
+
+class PersistentStep {
+ public:
+  // A step of `plan` (1 to 8 sequences) over `model` on the current device, reading the tokens,
+  // positions and KV cache of `kv` (a decoder of the same model for at least the plan's batch;
+  // the step writes each sequence's key and value at its position there, as Decoder::step does).
+  // The plan's SMs must not exceed the device's. Fails naming what does not fit.
+  PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan plan);
+  ~PersistentStep();
+  PersistentStep(const PersistentStep&) = delete;
+  PersistentStep& operator=(const PersistentStep&) = delete;
+
+  // Enqueues one step: a single cooperative launch (capturable in a graph).
+  void run(cudaStream_t s);
+  // Once the stream is done: fails naming the instruction whose wait timed out, if one did (the
+  // counters are then out of step: reset() before running again).
+  void check() const;
+  void reset();
+  const float* logits() const { return logits_; }  // [batch, vocab], device memory
+  const StepPlan& plan() const { return plan_; }
+
+  struct Device;
+
+ private:
+  StepPlan plan_;
+  std::unique_ptr<Device> d_;
+  const float* logits_ = nullptr;
+};
+
+}  // namespace kestrel::cuda

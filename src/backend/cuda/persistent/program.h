@@ -1,0 +1,61 @@
+// A step plan (plan/step_plan.h) as the persistent kernel reads it: instructions of 32 bytes,
+// one queue per block, the counters and every buffer and weight the ops touch. Plain data,
+// passed to the kernel by value.
+#pragma once
+#include <cstdint>
+
+#include "backend/cuda/device_model.h"
+#include "backend/cuda/kv_layer.h"
+#include "backend/cuda/norm_rope.h"
+
+namespace kestrel::cuda {
+
+constexpr int kMaxWaits = 3;          // waits per instruction (the plans need at most 2)
+constexpr int kPersistentThreads = 256;
+
+struct PInstr {
+  uint8_t op;      // StepOp
+  uint8_t waits;   // how many of wait[] are used
+  int16_t layer;   // -1 outside the layers
+  int32_t a, b, c; // the tile (StepInstr)
+  int32_t wait[kMaxWaits];
+  int32_t signal;
+};
+static_assert(sizeof(PInstr) == 32, "an instruction is 32 bytes");
+
+struct PProgram {
+  // The queues: block s runs instrs[queue[k]] for k in [queue_begin[s], queue_begin[s + 1]).
+  const PInstr* instrs = nullptr;
+  const int32_t* queue = nullptr;
+  const int32_t* queue_begin = nullptr;
+  const int32_t* producers = nullptr;  // per counter: tiles that advance it per step
+  uint32_t* counters = nullptr;        // count up across steps, never reset
+  uint32_t* epoch = nullptr;           // steps run so far; the last block of a step advances it
+  uint32_t* blocks_done = nullptr;     // blocks finished in this step (back to 0 by the last)
+  int32_t* error = nullptr;            // 1 + the first instruction that timed out waiting, 0 if none
+  long long timeout_ns = 2000000000;
+
+  // The model.
+  const DLayer* layers = nullptr;      // [layers], device copies of the descriptors
+  const KvLayer* kv = nullptr;         // [layers]
+  DLinear embed, lm_head;
+  const float* final_norm = nullptr;
+  RopeArgs rope;
+  float eps = 0, scale = 0;
+  int kv_bf16 = 0;
+  int batch = 0, hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, qkv_rows = 0, splits = 0, chunk_max = 0;
+  int positions = 0, expert_rows = 0, shared_rows = 0, mlp_rows = 0, vocab = 0, experts = 0, top_k = 0;
+
+  // Inputs and the plan's buffers (one row per token).
+  const int32_t* tokens = nullptr;
+  const int32_t* pos = nullptr;
+  float *x = nullptr, *qkv = nullptr, *part = nullptr, *att = nullptr, *router = nullptr;
+  int32_t* route_e = nullptr;       // [batch, top_k]
+  float* route_w = nullptr;         // [batch, top_k]
+  int32_t* position_expert = nullptr;  // [positions]: the p-th distinct expert, or -1
+  int32_t* expert_position = nullptr;  // [experts]: its position, or -1
+  float *expert_mid = nullptr, *shared_mid = nullptr, *mid = nullptr, *logits = nullptr;
+  float* xn = nullptr;              // per block: [kMaxBatchRows, hidden] normalized rows
+};
+
+}  // namespace kestrel::cuda

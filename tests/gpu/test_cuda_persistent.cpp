@@ -1,0 +1,160 @@
+// The persistent decode step (backend/cuda/persistent) against the launched step and the CPU:
+// every GQA fixture family at 1, 3 and 8 sequences, a plan with fewer queues than SMs, steps back
+// to back (the counters count up across steps), a graph replay, and a broken plan that must time
+// out naming its instruction instead of hanging.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "../unit/fixture.h"
+#include "backend/cpu/forward.h"
+#include "backend/cuda/check.h"
+#include "backend/cuda/decoder.h"
+#include "backend/cuda/device_model.h"
+#include "backend/cuda/persistent/persistent_step.h"
+#include "model/weights.h"
+#include "plan/step_plan.h"
+
+namespace kestrel {
+namespace {
+
+constexpr double kVsCpu = 1e-4;       // the persistent step vs the CPU's decode, per sequence
+constexpr double kVsLaunched = 1e-4;  // vs the launched step's logits
+
+std::vector<float> copy_back(const float* d, size_t n) {
+  std::vector<float> v(n);
+  KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+  KESTREL_CUDA_CHECK(cudaMemcpy(v.data(), d, n * 4, cudaMemcpyDeviceToHost));
+  return v;
+}
+
+int device_sms() {
+  int dev = 0, n = 0;
+  KESTREL_CUDA_CHECK(cudaGetDevice(&dev));
+  KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+
+void set_inputs(cuda::Decoder& d, const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions) {
+  KESTREL_CUDA_CHECK(cudaMemcpy(d.tokens(), tokens.data(), tokens.size() * 4, cudaMemcpyHostToDevice));
+  KESTREL_CUDA_CHECK(cudaMemcpy(d.positions(), positions.data(), positions.size() * 4, cudaMemcpyHostToDevice));
+  KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+class CudaPersistentTest : public ::testing::TestWithParam<std::string> {};
+
+// Sequences b = 0..batch-1 decode `steps` tokens each with the launched decoder and the CPU; the
+// last `persistent` steps also run the persistent step (after the launched one, on the same cache:
+// it stores the same key and value again), whose logits must match both.
+TEST_P(CudaPersistentTest, MatchesTheLaunchedStepAndTheCpu) {
+  auto model = load_model(test::fixture_dir(GetParam()));
+  const ModelConfig& c = model->config;
+  const int64_t V = c.vocab_size;
+  auto dm = cuda::DeviceModel::upload(*model);
+  ThreadPool pool(2);
+  cpu::Forward fwd(*model, pool);
+  for (int batch : {1, 3, 8}) {
+    SCOPED_TRACE("batch " + std::to_string(batch));
+    const int steps = 12, persistent = 4;
+    cuda::Decoder dec(*dm, batch, steps);
+    StepPlanOptions o;
+    o.batch = batch;
+    o.sms = std::min(device_sms(), 40);  // fewer queues than SMs: each runs many instructions
+    o.context = 256;  // several splits of the positions, most empty at this length
+    o.row_quantum = 4;
+    cuda::PersistentStep ps(*dm, dec, make_step_plan(c, o));
+    std::vector<KvCache> caches;
+    for (int b = 0; b < batch; ++b) caches.push_back(fwd.make_cache(steps));
+    double worst_cpu = 0, worst_launched = 0;
+    for (int t = 0; t < steps; ++t) {
+      std::vector<int32_t> tokens, positions;
+      for (int b = 0; b < batch; ++b) {
+        tokens.push_back(int32_t((3 + 29 * t + 13 * b) % V));
+        positions.push_back(t);
+      }
+      set_inputs(dec, tokens, positions);
+      dec.step(batch, nullptr);
+      const auto launched = copy_back(dec.logits(), size_t(batch * V));
+      std::vector<float> cpu(static_cast<size_t>(V));
+      std::vector<std::vector<float>> want;
+      for (int b = 0; b < batch; ++b) {
+        fwd.run({&tokens[size_t(b)], 1}, caches[size_t(b)], cpu.data());
+        want.push_back(cpu);
+      }
+      if (t < steps - persistent) continue;
+      ps.run(nullptr);
+      const auto got = copy_back(ps.logits(), size_t(batch * V));
+      ps.check();
+      for (int b = 0; b < batch; ++b) {
+        const double ec = test::rel_l2(got.data() + b * V, want[size_t(b)].data(), V);
+        const double el = test::rel_l2(got.data() + b * V, launched.data() + b * V, V);
+        EXPECT_LE(ec, kVsCpu) << "step " << t << " sequence " << b;
+        EXPECT_LE(el, kVsLaunched) << "step " << t << " sequence " << b;
+        worst_cpu = std::max(worst_cpu, ec);
+        worst_launched = std::max(worst_launched, el);
+      }
+    }
+    std::printf("  persistent step, batch %d: worst rel L2 %.2e vs CPU, %.2e vs the launched step\n", batch, worst_cpu,
+                worst_launched);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, CudaPersistentTest, ::testing::ValuesIn(test::gqa_fixture_names()),
+                         test::fixture_test_name);
+
+// Replayed from a CUDA graph the step gives the same logits as launched directly.
+TEST(CudaPersistent, GraphReplay) {
+  auto model = load_model(test::fixture_dir("qwen3moe-nvfp4"));
+  auto dm = cuda::DeviceModel::upload(*model);
+  cuda::Decoder dec(*dm, 2, 8);
+  StepPlanOptions o;
+  o.batch = 2;
+  o.sms = std::min(device_sms(), 16);
+  o.row_quantum = 4;
+  cuda::PersistentStep ps(*dm, dec, make_step_plan(model->config, o));
+  set_inputs(dec, {5, 9}, {0, 0});
+  ps.run(nullptr);
+  const auto direct = copy_back(ps.logits(), size_t(2 * model->config.vocab_size));
+  cudaStream_t s;
+  KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t g;
+  cudaGraphExec_t e;
+  KESTREL_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  ps.run(s);
+  KESTREL_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+  KESTREL_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+  for (int i = 0; i < 3; ++i) KESTREL_CUDA_CHECK(cudaGraphLaunch(e, s));
+  KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
+  ps.check();
+  EXPECT_EQ(copy_back(ps.logits(), direct.size()), direct);
+  cudaGraphExecDestroy(e);
+  cudaGraphDestroy(g);
+  cudaStreamDestroy(s);
+}
+
+// A counter that never fills: the waits time out and name the instruction.
+TEST(CudaPersistent, ABrokenPlanFailsNamingTheInstruction) {
+  auto model = load_model(test::fixture_dir("llama-bf16"));
+  auto dm = cuda::DeviceModel::upload(*model);
+  cuda::Decoder dec(*dm, 1, 4);
+  StepPlanOptions o;
+  o.sms = std::min(device_sms(), 8);
+  o.row_quantum = 4;
+  StepPlan p = make_step_plan(model->config, o);
+  const int32_t k = p.instrs.back().waits.at(0);
+  ++p.counters[size_t(k)].producers;
+  cuda::PersistentStep ps(*dm, dec, std::move(p));
+  set_inputs(dec, {1}, {0});
+  ps.run(nullptr);
+  KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+  try {
+    ps.check();
+    FAIL() << "no timeout";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("norm_lm_head"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace kestrel
