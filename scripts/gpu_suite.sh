@@ -42,6 +42,21 @@ if [ -z "${GTEST_FILTER:-}" ]; then
   fi
 fi
 
+# The persistent step's kernel under compute-sanitizer (memcheck, racecheck, synccheck) on one
+# MoE fixture at 1 and 3 sequences.
+if [ -z "${GTEST_FILTER:-}" ] && command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck synccheck; do
+    set +e
+    compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/tests/gpu/kestrel_gpu_tests" \
+      --gtest_filter='Families/CudaPersistentTest.*qwen3moe_nvfp4*' >"$OUT/sanitizer_persistent_$tool.log" 2>&1
+    rc=$?
+    set -e
+    echo "compute-sanitizer $tool on the persistent step: exit $rc ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_persistent_$tool.log") clean summaries)" |
+      tee -a "$OUT/cli.txt"
+    [ $rc -ne 0 ] && tests_rc=$rc
+  done
+fi
+
 # The commands on the GPU: a fixture's logits through `--device cuda` against `--device cpu`, with
 # a float32 KV cache (the CPU's: equal to rounding) and the default BF16 one.
 fx=tests/fixtures/qwen3moe-nvfp4
@@ -173,6 +188,11 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   KESTREL_MOE_FRAG=0 bench qwen3-30b-a3b-no-frag --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
     --batch 4,8,16,32,64 --context 1024 --steps 50
   KESTREL_PDL=0 bench qwen3-30b-a3b-no-pdl --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 50
+  # The persistent step (its first interpreter) beside the launched one.
+  bench qwen3-30b-a3b-persistent --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,2,4,8 \
+    --context 1024 --steps 30 --persistent
+  bench glm-4.5-air-persistent --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,8 --context 1024 \
+    --steps 20 --persistent
   bench glm-4.5-air --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,2,4,8 --context 1024 --steps 30
   bench glm-4.5-air-ops --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1 --context 1024 --steps 30 --ops
   # One token's q/k/v (58.7 M weights) with the RMSNorm fused on CUDA cores instead of tensor cores.

@@ -16,6 +16,7 @@
 #include "backend/cuda/device_model.h"
 #include "backend/cuda/graph_profile.h"
 #include "backend/cuda/op_timer.h"
+#include "backend/cuda/persistent/persistent_step.h"
 #include "backend/cuda/rank_group.h"
 #include "backend/cuda/read_chain.h"
 #include "backend/cuda/session.h"
@@ -26,6 +27,7 @@
 #include "plan/decode_cost.h"
 #include "plan/gpus.h"
 #include "plan/roofline.h"
+#include "plan/step_plan.h"
 
 namespace kestrel::apps {
 namespace {
@@ -44,6 +46,7 @@ struct Options {
   std::string prefill;  // prompt lengths to prefill, comma-separated; empty: none
   int chunk = cuda::Session::kDefaultChunk;
   std::string kv_dtype = "auto";
+  bool persistent = false;  // also time the persistent step (1 to 8 sequences)
 };
 
 struct OpRow {
@@ -290,6 +293,8 @@ Run add_bench(CLI::App& app) {
   auto o = std::make_shared<Options>();
   add_common(app, o.get());
   app.add_flag("--ops", o->ops, "Also time every op of the step and compare each with its floor");
+  app.add_flag("--persistent", o->persistent,
+               "Also time the persistent step (batches of 1 to 8; its first interpreter, plain ops)");
   return [o]() { return run_bench(o.get()); };
 }
 
@@ -522,6 +527,38 @@ int run_bench(const Options* o) {
       results.push_back({{"batch", B}, {"context", o->context}, {"graph_ms", g}, {"no_graph_ms", ng},
                          {"floor_ms", floor_ms}, {"bytes_per_step", cost.total()}, {"bytes", parts},
                          {"bandwidth_gbs", bw / 1e9}, {"launches", dec.launches_per_step()}});
+      if (o->persistent && B <= 8) {
+        // The persistent step at the same positions (it does not advance them), from one graph.
+        StepPlanOptions po;
+        po.batch = B;
+        int dev = 0;
+        KESTREL_CUDA_CHECK(cudaGetDevice(&dev));
+        KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&po.sms, cudaDevAttrMultiProcessorCount, dev));
+        po.context = o->context;
+        po.kv_value_bytes = kv_value_bytes(dec);
+        cuda::PersistentStep ps(*dm, dec, make_step_plan(c, po));
+        reset();
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        KESTREL_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+        ps.run(s);
+        KESTREL_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+        KESTREL_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int i = 0; i < 3; ++i) KESTREL_CUDA_CHECK(cudaGraphLaunch(exec, s));
+        cudaEventRecord(e0, s);
+        for (int i = 0; i < o->steps; ++i) KESTREL_CUDA_CHECK(cudaGraphLaunch(exec, s));
+        cudaEventRecord(e1, s);
+        KESTREL_CUDA_CHECK(cudaEventSynchronize(e1));
+        ps.check();
+        float ms;
+        cudaEventElapsedTime(&ms, e0, e1);
+        const double pm = double(ms) / o->steps;
+        std::printf("%6s persistent step: %.3f ms (%.2f x floor, %zu instructions on %d SMs)\n", "", pm, pm / floor_ms,
+                    ps.plan().instrs.size(), po.sms);
+        results.back()["persistent_ms"] = pm;
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+      }
     }
     nlohmann::json ops = nlohmann::json::array();
     if (o->ops)
