@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "plan/roofline.h"
+#include "plan/step_accesses.h"
 
 namespace kestrel {
 
@@ -80,25 +81,6 @@ std::vector<std::pair<int64_t, int64_t>> tile_rows(int64_t rows, int64_t group, 
       out.emplace_back(begin + quanta * t / k * quantum, std::min(end, begin + quanta * (t + 1) / k * quantum));
   }
   return out;
-}
-
-StepSegments::StepSegments(const StepPlan& p) : cuts(kStepBufCount) {
-  for (int b = 0; b < kStepBufCount; ++b) cuts[size_t(b)] = {0, p.units.at(size_t(b))};
-  for (const StepInstr& in : p.instrs)
-    for (const auto* list : {&in.reads, &in.writes})
-      for (const StepSpan& s : *list) {
-        cuts[size_t(s.buf)].push_back(s.begin);
-        cuts[size_t(s.buf)].push_back(s.end);
-      }
-  for (auto& c : cuts) {
-    std::sort(c.begin(), c.end());
-    c.erase(std::unique(c.begin(), c.end()), c.end());
-  }
-}
-
-std::pair<int64_t, int64_t> StepSegments::of(const StepSpan& s) const {
-  const auto& c = cuts[size_t(s.buf)];
-  return {std::lower_bound(c.begin(), c.end(), s.begin) - c.begin(), std::lower_bound(c.begin(), c.end(), s.end) - c.begin()};
 }
 
 namespace {
@@ -323,43 +305,13 @@ void Builder::assign() {
 void Builder::connect() {
   StepPlan& p = p_;
   const size_t N = p.instrs.size();
-  // 3. What each instruction needs, by producer op: the last writer of every unit it reads, and
-  // the last writer and readers since of every unit it writes.
-  const StepSegments seg(p);
-  std::vector<std::vector<int32_t>> last(kStepBufCount);
-  std::vector<std::vector<std::vector<int32_t>>> readers(kStepBufCount);
-  for (int b = 0; b < kStepBufCount; ++b) {
-    last[size_t(b)].assign(size_t(seg.count(StepBuf(b))), -1);
-    readers[size_t(b)].assign(size_t(seg.count(StepBuf(b))), {});
-  }
+  // 3. What each instruction needs, by producer op (StepAccesses).
+  StepAccesses accesses(p);
   std::vector<std::vector<std::pair<int32_t, int32_t>>> needs(N);  // (producer op, producer instr)
   for (int32_t i = 0; i < int32_t(N); ++i) {
-    const StepInstr& in = p.instrs[size_t(i)];
-    auto need = [&](int32_t j) {
-      if (j >= 0 && j != i) needs[size_t(i)].emplace_back(op_of_[size_t(j)], j);
-    };
-    for (const StepSpan& s : in.reads) {
-      const auto [u0, u1] = seg.of(s);
-      for (int64_t u = u0; u < u1; ++u) need(last[size_t(s.buf)][size_t(u)]);
-    }
-    for (const StepSpan& s : in.writes) {
-      const auto [u0, u1] = seg.of(s);
-      for (int64_t u = u0; u < u1; ++u) {
-        need(last[size_t(s.buf)][size_t(u)]);
-        for (int32_t r : readers[size_t(s.buf)][size_t(u)]) need(r);
-      }
-    }
-    for (const StepSpan& s : in.reads) {
-      const auto [u0, u1] = seg.of(s);
-      for (int64_t u = u0; u < u1; ++u) readers[size_t(s.buf)][size_t(u)].push_back(i);
-    }
-    for (const StepSpan& s : in.writes) {
-      const auto [u0, u1] = seg.of(s);
-      for (int64_t u = u0; u < u1; ++u) {
-        readers[size_t(s.buf)][size_t(u)].clear();
-        last[size_t(s.buf)][size_t(u)] = i;
-      }
-    }
+    accesses.visit(i, [&](int32_t j, StepHazard, const StepSpan&, int64_t) {
+      needs[size_t(i)].emplace_back(op_of_[size_t(j)], j);
+    });
     auto& n = needs[size_t(i)];
     std::sort(n.begin(), n.end());
     n.erase(std::unique(n.begin(), n.end()), n.end());

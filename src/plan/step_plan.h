@@ -105,16 +105,6 @@ struct StepPlan {
 // Fails naming what is not planned yet (MLA attention, split models are not).
 StepPlan make_step_plan(const ModelConfig& c, const StepPlanOptions& o);
 
-// A plan's accesses at the granularity they use: each buffer cut at every begin and end that
-// some instruction names, so a span is a run of whole segments and two spans overlap exactly
-// when they share one (the builder and the checker track writers and readers per segment).
-struct StepSegments {
-  explicit StepSegments(const StepPlan& p);
-  std::pair<int64_t, int64_t> of(const StepSpan& s) const;  // [first, last) segment
-  int64_t count(StepBuf b) const { return int64_t(cuts[size_t(b)].size()) - 1; }
-  std::vector<std::vector<int64_t>> cuts;  // per buffer, sorted, from 0 to its units
-};
-
 // The rows of a tile rule: `rows` cut into tiles of whole `quantum`s (the last may be short) that
 // do not straddle a boundary every `group` rows, about `target` tiles in all. [begin, end) pairs.
 std::vector<std::pair<int64_t, int64_t>> tile_rows(int64_t rows, int64_t group, int64_t quantum, int64_t target);

@@ -4,6 +4,7 @@
 #include <random>
 
 #include "common/error.h"
+#include "plan/step_accesses.h"
 
 namespace kestrel {
 
@@ -100,51 +101,14 @@ void check_step_plan(const StepPlan& p) {
     const StepInstr& a = p.instrs[size_t(j)];
     return start[size_t(i)][size_t(a.sm)] > a.slot;
   };
-  // Hazards, segment by segment (StepSegments: the finest cut any access makes) in program order.
-  const StepSegments seg(p);
-  std::vector<std::vector<int32_t>> last(kStepBufCount);
-  std::vector<std::vector<std::vector<int32_t>>> readers(kStepBufCount);
-  for (int b = 0; b < kStepBufCount; ++b) {
-    last[size_t(b)].assign(size_t(seg.count(StepBuf(b))), -1);
-    readers[size_t(b)].assign(size_t(seg.count(StepBuf(b))), {});
-  }
-  auto unit = [&](const StepSpan& s, int64_t k) { return seg.cuts[size_t(s.buf)][size_t(k)]; };
-  for (int32_t i = 0; i < int32_t(N); ++i) {
-    const StepInstr& in = p.instrs[size_t(i)];
-    for (const StepSpan& s : in.reads) {
-      const auto [u0, u1] = seg.of(s);
-      for (int64_t u = u0; u < u1; ++u) {
-        const int32_t w = last[size_t(s.buf)][size_t(u)];
-        if (w >= 0 && w != i && !before(w, i))
-          fail("plan: ", name(i), " may read ", span_text(s, unit(s, u)), " before ", name(w),
-               " writes it: no wait orders them");
-      }
-    }
-    for (const StepSpan& s : in.writes) {
-      const auto [u0, u1] = seg.of(s);
-      for (int64_t u = u0; u < u1; ++u) {
-        const int32_t w = last[size_t(s.buf)][size_t(u)];
-        if (w >= 0 && w != i && !before(w, i))
-          fail("plan: ", name(i), " may write ", span_text(s, unit(s, u)), " before ", name(w),
-               " writes it: no wait orders them");
-        for (int32_t r : readers[size_t(s.buf)][size_t(u)])
-          if (r != i && !before(r, i))
-            fail("plan: ", name(i), " may write ", span_text(s, unit(s, u)), " before ", name(r),
-                 " reads it: no wait orders them");
-      }
-    }
-    for (const StepSpan& s : in.reads) {
-      const auto [u0, u1] = seg.of(s);
-      for (int64_t u = u0; u < u1; ++u) readers[size_t(s.buf)][size_t(u)].push_back(i);
-    }
-    for (const StepSpan& s : in.writes) {
-      const auto [u0, u1] = seg.of(s);
-      for (int64_t u = u0; u < u1; ++u) {
-        readers[size_t(s.buf)][size_t(u)].clear();
-        last[size_t(s.buf)][size_t(u)] = i;
-      }
-    }
-  }
+  // Hazards, in program order (StepAccesses).
+  StepAccesses accesses(p);
+  for (int32_t i = 0; i < int32_t(N); ++i)
+    accesses.visit(i, [&](int32_t j, StepHazard h, const StepSpan& s, int64_t unit) {
+      if (before(j, i)) return;
+      fail("plan: ", name(i), h == StepHazard::ReadAfterWrite ? " may read " : " may write ", span_text(s, unit),
+           " before ", name(j), h == StepHazard::WriteAfterRead ? " reads it" : " writes it", ": no wait orders them");
+    });
 }
 
 std::vector<int32_t> simulate_step_plan(const StepPlan& p, uint64_t seed) {
