@@ -179,7 +179,8 @@ void Builder::layer(int32_t l) {
     StepInstr& i = tile(r0, r1);
     i.reads = {{StepBuf::Hidden, 0, H}};
     i.writes = {{StepBuf::Qkv, r0, r1}};
-    auto rows_in = [&](int64_t b, int64_t e) { return double(std::max<int64_t>(0, std::min(r1, e) - std::max(r0, b))); };
+    const int64_t lo = r0, hi = r1;  // (clang 14 cannot capture structured bindings)
+    auto rows_in = [lo, hi](int64_t b, int64_t e) { return double(std::max<int64_t>(0, std::min(hi, e) - std::max(lo, b))); };
     i.weight_bytes = double(H) * (rows_in(0, qr) * bq + rows_in(qr, qr + kr) * bk + rows_in(qr + kr, qr + 2 * kr) * bv);
   }
   op(StepOp::QkRopeStore, l);
