@@ -127,9 +127,9 @@ Run add_plan(CLI::App& app) {
     size_t waits = 0;
     for (const StepInstr& in : p.instrs) waits += in.waits.size();
     const DecodeCost floor = decode_cost(c, o->plan.batch, o->plan.context, o->plan.kv_value_bytes);
-    std::printf("%s, batch %d on %d SMs: %zu instructions, %zu counters, %zu waits; %lld attention splits per KV head",
+    std::printf("%s, batch %d on %d SMs: %zu instructions, %zu counters, %zu waits; %lld attention splits%s",
                 p.architecture.c_str(), o->plan.batch, o->plan.sms, p.instrs.size(), p.counters.size(), waits,
-                (long long)p.splits);
+                (long long)p.splits, p.mla ? " (every head in each)" : " per KV head");
     if (p.expert_positions) std::printf(", %lld expert positions", (long long)p.expert_positions);
     std::printf("\nstreams %.1f MB of weights and %.1f MB of KV cache per step (the floor counts %.1f MB and %.1f MB)\n",
                 mb(p.weight_bytes()), mb(p.cache_bytes()), mb(floor.total() - floor.kv_cache), mb(floor.kv_cache));

@@ -27,6 +27,12 @@ const char* step_op_name(StepOp op) {
     case StepOp::MlpGateUp: return "mlp_gate_up";
     case StepOp::MlpDown: return "mlp_down";
     case StepOp::HeadNormLogits: return "norm_lm_head";
+    case StepOp::MlaNormProj: return "mla_norm_proj";
+    case StepOp::MlaLatent: return "mla_latent";
+    case StepOp::MlaQb: return "mla_q_b";
+    case StepOp::MlaAbsorbQ: return "mla_absorb_q";
+    case StepOp::MlaAttnSplit: return "mla_attn_split";
+    case StepOp::MlaCombineAbsorb: return "mla_combine_absorb";
   }
   return "?";
 }
@@ -44,6 +50,9 @@ const char* step_buf_name(StepBuf b) {
     case StepBuf::SharedMid: return "shared_mid";
     case StepBuf::Mid: return "mid";
     case StepBuf::Logits: return "logits";
+    case StepBuf::MlaProj: return "mla_proj";
+    case StepBuf::QLat: return "q_latent";
+    case StepBuf::QAbs: return "q_absorbed";
   }
   return "?";
 }
@@ -134,6 +143,8 @@ class Builder {
   // Tiles per op: one per SM (balance across ops is the assignment's).
   int64_t target() const { return std::max<int64_t>(1, o_.sms); }
   void layer(int32_t l);
+  void gqa_attention(int32_t l);
+  void mla_attention(int32_t l);
   void assign();
   void connect();
 
@@ -167,7 +178,7 @@ void Builder::build() {
   connect();
 }
 
-void Builder::layer(int32_t l) {
+void Builder::gqa_attention(int32_t l) {
   StepPlan& p = p_;
   const int64_t H = p.hidden, hd = p.head_dim, nq = p.heads, nkv = p.kv_heads, G = nq / nkv;
   const std::string at = "model.layers." + std::to_string(l) + ".";
@@ -205,13 +216,84 @@ void Builder::layer(int32_t l) {
     i.reads = {{StepBuf::AttnPart, g * p.splits, (g + 1) * p.splits}};
     i.writes = {{StepBuf::AttnOut, g * G * hd, (g + 1) * G * hd}};
   }
+}
+
+// Absorbed MLA: the queries' non-rotary parts are carried into latent space through kv_b's key
+// rows (W_UK), attention runs over the cached latent rows, and its output leaves latent space
+// through kv_b's value rows (W_UV), so the latents are read once per step and never expanded.
+void Builder::mla_attention(int32_t l) {
+  StepPlan& p = p_;
+  const int64_t H = p.hidden, nh = p.heads, qk = p.head_dim, r = p.kv_lora, lat = p.kv_lora + p.rope_dim;
+  const int64_t first = p.proj_rows - lat;  // q_a's rows, or q's
+  const std::string at = "model.layers." + std::to_string(l) + ".self_attn.";
+  const double bfirst = bpw(at + (p.q_lora > 0 ? "q_a_proj" : "q_proj")), bkva = bpw(at + "kv_a_proj_with_mqa");
+  const double bkvb = bpw(at + "kv_b_proj");
+  op(StepOp::MlaNormProj, l);
+  const int64_t t_first = std::max<int64_t>(1, target() * first / p.proj_rows), t_lat = std::max<int64_t>(1, target() - t_first);
+  for (const auto& [r0, r1] : tile_rows(first, p.q_lora > 0 ? first : qk, o_.row_quantum, t_first)) {
+    StepInstr& i = tile(r0, r1);
+    i.reads = {{StepBuf::Hidden, 0, H}};
+    i.writes = {{StepBuf::MlaProj, r0, r1}};
+    i.weight_bytes = double(r1 - r0) * double(H) * bfirst;
+  }
+  for (const auto& [r0, r1] : tile_rows(lat, lat, o_.row_quantum, t_lat)) {
+    StepInstr& i = tile(first + r0, first + r1);
+    i.reads = {{StepBuf::Hidden, 0, H}};
+    i.writes = {{StepBuf::MlaProj, first + r0, first + r1}};
+    i.weight_bytes = double(r1 - r0) * double(H) * bkva;
+  }
+  op(StepOp::MlaLatent, l);
+  StepInstr& li = tile(0, 1);
+  li.reads = {{StepBuf::MlaProj, p.q_lora > 0 ? 0 : first, p.proj_rows}};
+  li.writes = {{StepBuf::KvCache, l, l + 1}};
+  if (p.q_lora > 0) li.writes.push_back({StepBuf::QLat, 0, p.q_lora});
+  if (p.q_lora > 0) {
+    op(StepOp::MlaQb, l);
+    const double bqb = bpw(at + "q_b_proj");
+    for (const auto& [r0, r1] : tile_rows(nh * qk, qk, o_.row_quantum, target())) {
+      StepInstr& i = tile(r0, r1);
+      i.reads = {{StepBuf::QLat, 0, p.q_lora}};
+      i.writes = {{StepBuf::Qkv, r0, r1}};
+      i.weight_bytes = double(r1 - r0) * double(p.q_lora) * bqb;
+    }
+  }
+  op(StepOp::MlaAbsorbQ, l);
+  for (int64_t h = 0; h < nh; ++h) {
+    StepInstr& i = tile(h, h + 1);
+    i.reads = {{p.q_lora > 0 ? StepBuf::Qkv : StepBuf::MlaProj, h * qk, (h + 1) * qk}};
+    i.writes = {{StepBuf::QAbs, h, h + 1}};
+    i.weight_bytes = double(p.nope) * double(r) * bkvb;
+  }
+  op(StepOp::MlaAttnSplit, l);
+  const double positions = double(std::max<int64_t>(o_.context, 1));
+  for (int64_t s = 0; s < p.splits; ++s) {
+    StepInstr& i = tile(s, s + 1);
+    i.reads = {{StepBuf::QAbs, 0, nh}, {StepBuf::KvCache, l, l + 1}};
+    i.writes = {{StepBuf::AttnPart, s, s + 1}};
+    i.cache_bytes = double(o_.batch) * positions / double(p.splits) * double(lat) * o_.kv_value_bytes;
+  }
+  op(StepOp::MlaCombineAbsorb, l);
+  for (const auto& [h0, h1] : tile_rows(nh, 1, 1, target())) {
+    StepInstr& i = tile(h0, h1);
+    i.reads = {{StepBuf::AttnPart, 0, p.splits}};
+    i.writes = {{StepBuf::AttnOut, h0 * p.v_dim, h1 * p.v_dim}};
+    i.weight_bytes = double(h1 - h0) * double(p.v_dim) * double(r) * bkvb;
+  }
+}
+
+void Builder::layer(int32_t l) {
+  StepPlan& p = p_;
+  const int64_t H = p.hidden;
+  const std::string at = "model.layers." + std::to_string(l) + ".";
+  if (p.mla) mla_attention(l);
+  else gqa_attention(l);
   op(StepOp::OProj, l);
   const double bo = bpw(at + "self_attn.o_proj");
   for (const auto& [r0, r1] : tile_rows(H, H, o_.row_quantum, target())) {
     StepInstr& i = tile(r0, r1);
-    i.reads = {{StepBuf::AttnOut, 0, qr}, {StepBuf::Hidden, r0, r1}};
+    i.reads = {{StepBuf::AttnOut, 0, p.att_rows}, {StepBuf::Hidden, r0, r1}};
     i.writes = {{StepBuf::Hidden, r0, r1}};
-    i.weight_bytes = double(r1 - r0) * double(qr) * bo;
+    i.weight_bytes = double(r1 - r0) * double(p.att_rows) * bo;
   }
 
   if (!c_.is_moe_layer(l)) {
@@ -416,7 +498,7 @@ void Builder::connect() {
 }  // namespace
 
 StepPlan make_step_plan(const ModelConfig& c, const StepPlanOptions& o) {
-  if (c.is_mla()) fail(c.architecture, ": the persistent step is not planned for multi-head latent attention yet");
+  if (c.indexer.enabled()) fail(c.architecture, ": the persistent step is not planned for the DSA indexer (GLM-5) yet");
   if (o.batch < 1 || o.batch > 64) fail("plan: batch must be 1..64, got ", o.batch);
   if (o.sms < 1 || o.sms > 1024) fail("plan: SMs must be 1..1024, got ", o.sms);
   if (o.context < 1) fail("plan: context must be at least 1, got ", o.context);
@@ -429,6 +511,21 @@ StepPlan make_step_plan(const ModelConfig& c, const StepPlanOptions& o) {
   p.kv_heads = c.num_kv_heads;
   p.head_dim = c.head_dim;
   p.qkv_rows = (p.heads + 2 * p.kv_heads) * p.head_dim;
+  p.att_rows = p.heads * p.head_dim;
+  if (c.is_mla()) {
+    const MlaConfig& m = c.mla;
+    p.mla = true;
+    p.head_dim = m.qk_head_dim();
+    p.kv_heads = p.heads;
+    p.q_lora = m.q_lora_rank;
+    p.kv_lora = m.kv_lora_rank;
+    p.nope = m.qk_nope_head_dim;
+    p.rope_dim = m.qk_rope_head_dim;
+    p.v_dim = m.v_head_dim;
+    p.qkv_rows = p.heads * p.head_dim;  // the queries
+    p.att_rows = p.heads * p.v_dim;
+    p.proj_rows = (p.q_lora > 0 ? p.q_lora : p.qkv_rows) + p.kv_lora + p.rope_dim;
+  }
   p.vocab = c.vocab_size;
   p.mlp_rows = c.intermediate_size;
   bool moe = false;
@@ -438,15 +535,20 @@ StepPlan make_step_plan(const ModelConfig& c, const StepPlanOptions& o) {
     p.shared_rows = c.moe_intermediate_size * c.num_shared_experts;
     p.expert_positions = std::min<int64_t>(c.num_experts, int64_t(o.batch) * c.experts_per_token);
   }
-  // Two blocks' worth of splits per SM over the batch's KV heads, at least 16 positions each.
-  const int64_t want = (2 * int64_t(o.sms) + p.kv_heads - 1) / p.kv_heads;
+  // Two blocks' worth of splits per SM over the batch's KV heads (MLA: one group of every
+  // head), at least 16 positions each.
+  const int64_t groups = p.mla ? 1 : p.kv_heads;
+  const int64_t want = (2 * int64_t(o.sms) + groups - 1) / groups;
   p.splits = std::clamp<int64_t>(want, 1, std::min<int64_t>(64, (o.context + 15) / 16));
   p.units.assign(kStepBufCount, 0);
   p.units[size_t(StepBuf::Hidden)] = p.hidden;
   p.units[size_t(StepBuf::Qkv)] = p.qkv_rows;
-  p.units[size_t(StepBuf::KvCache)] = p.layers * p.kv_heads;
-  p.units[size_t(StepBuf::AttnPart)] = p.kv_heads * p.splits;
-  p.units[size_t(StepBuf::AttnOut)] = p.heads * p.head_dim;
+  p.units[size_t(StepBuf::KvCache)] = p.layers * groups;
+  p.units[size_t(StepBuf::AttnPart)] = groups * p.splits;
+  p.units[size_t(StepBuf::AttnOut)] = p.att_rows;
+  p.units[size_t(StepBuf::MlaProj)] = p.proj_rows;
+  p.units[size_t(StepBuf::QLat)] = p.q_lora;
+  p.units[size_t(StepBuf::QAbs)] = p.mla ? p.heads : 0;
   p.units[size_t(StepBuf::RouterLogits)] = moe ? c.num_experts : 0;
   p.units[size_t(StepBuf::Routes)] = moe ? 1 : 0;
   p.units[size_t(StepBuf::ExpertMid)] = p.expert_positions * p.expert_rows;

@@ -45,14 +45,25 @@ enum class StepOp : uint8_t {
   MlpGateUp,      // dense layers: RMSNorm of Hidden, rows [a, b) of silu(gate) * up -> Mid
   MlpDown,        // rows [a, b) of down added to Hidden
   HeadNormLogits, // final RMSNorm of Hidden, LM head rows [a, b) -> Logits
+  // Multi-head latent attention (DeepSeek-V3), absorbed: attention runs in latent space.
+  MlaNormProj,      // RMSNorm of Hidden, rows [a, b) of q_a | kv_a (or q | kv_a without a q latent) -> MlaProj
+  MlaLatent,        // the latent's RMSNorm and rotary, into the cache; the q latent's RMSNorm -> QLat
+  MlaQb,            // rows [a, b) of q_b over QLat -> Qkv (the queries)
+  MlaAbsorbQ,       // head a: its query's rotary, its non-rotary part carried into latent space -> QAbs
+  MlaAttnSplit,     // split a of the positions, every head: partial softmax over the latent rows -> AttnPart
+  MlaCombineAbsorb, // heads [a, b): the splits combined in latent space, then out through W_UV -> AttnOut
 };
-inline constexpr int kStepOpCount = 14;
+inline constexpr int kStepOpCount = 20;
 const char* step_op_name(StepOp op);
 
 // Activation buffers. Ranges are in units of one token's row, the same range for every token of
-// the batch (KvCache: units of (layer, KV head); AttnPart: (KV head, split); Routes: one unit).
-enum class StepBuf : uint8_t { Hidden, Qkv, KvCache, AttnPart, AttnOut, RouterLogits, Routes, ExpertMid, SharedMid, Mid, Logits };
-inline constexpr int kStepBufCount = 11;
+// the batch (KvCache: units of (layer, KV head), one per layer for MLA; AttnPart: (KV head, split),
+// for MLA one per split holding every head; Routes: one unit). Qkv holds MLA's queries.
+enum class StepBuf : uint8_t {
+  Hidden, Qkv, KvCache, AttnPart, AttnOut, RouterLogits, Routes, ExpertMid, SharedMid, Mid, Logits,
+  MlaProj, QLat, QAbs
+};
+inline constexpr int kStepBufCount = 14;
 const char* step_buf_name(StepBuf b);
 
 struct StepSpan {
@@ -93,6 +104,9 @@ struct StepPlan {
   int64_t splits = 0;            // attention splits per KV head
   int64_t expert_positions = 0;  // distinct experts a step may run: min(experts, batch * top_k)
   int64_t expert_rows = 0, shared_rows = 0, mlp_rows = 0, vocab = 0;
+  int64_t att_rows = 0;          // AttnOut per token: heads x head_dim (MLA: heads x v_head_dim)
+  bool mla = false;              // head_dim is then qk_head_dim, kv_heads the heads
+  int64_t q_lora = 0, kv_lora = 0, nope = 0, rope_dim = 0, v_dim = 0, proj_rows = 0;
   std::vector<int64_t> units;    // per StepBuf: units per token
   std::vector<StepInstr> instrs; // program order
   std::vector<StepCounter> counters;
@@ -102,7 +116,7 @@ struct StepPlan {
   double cache_bytes() const;
 };
 
-// Fails naming what is not planned yet (MLA attention, split models are not).
+// Fails naming what is not planned yet (GLM-5's DSA indexer; split models are not).
 StepPlan make_step_plan(const ModelConfig& c, const StepPlanOptions& o);
 
 // The rows of a tile rule: `rows` cut into tiles of whole `quantum`s (the last may be short) that

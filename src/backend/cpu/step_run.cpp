@@ -22,7 +22,7 @@ struct Step {
   RopeTables rope;
   std::vector<int64_t> pos;
   // The plan's buffers, one row per token.
-  std::vector<float> x, qkv, part, att, router, expert_mid, shared_mid, mid;
+  std::vector<float> x, qkv, part, att, router, expert_mid, shared_mid, mid, proj, qlat, qabs;
   Routing routing;
   std::vector<int32_t> position_expert;  // -1: no expert at that position this step
   std::vector<float> row, xn;
@@ -32,8 +32,11 @@ struct Step {
         nkv(plan.kv_heads), G(nq / nkv), qr(nq * hd), kr(nkv * hd), caches(cs), logits(out), rope(m.config.rope) {
     x.resize(size_t(B * H));
     qkv.resize(size_t(B * p.qkv_rows));
-    part.resize(size_t(B * nkv * p.splits * G * (hd + 2)));
-    att.resize(size_t(B * qr));
+    part.resize(size_t(B * (p.mla ? p.splits * nq * (p.kv_lora + 2) : nkv * p.splits * G * (hd + 2))));
+    att.resize(size_t(B * p.att_rows));
+    proj.resize(size_t(B * p.proj_rows));
+    qlat.resize(size_t(B * p.q_lora));
+    qabs.resize(size_t(B * nq * (p.kv_lora + p.rope_dim)));
     router.resize(size_t(B * std::max<int64_t>(c.num_experts, 1)));
     expert_mid.resize(size_t(B * p.expert_positions * p.expert_rows));
     shared_mid.resize(size_t(B * p.shared_rows));
@@ -63,7 +66,114 @@ struct Step {
   }
 
   void run(const StepInstr& in, std::span<const int32_t> tokens);
+  void run_mla(const StepInstr& in);
+  float* mla_part(int64_t b, int64_t s, int64_t h) { return part.data() + ((b * p.splits + s) * nq + h) * (p.kv_lora + 2); }
 };
+
+// Absorbed MLA, as the plan cuts it (StepOp's Mla* ops).
+void Step::run_mla(const StepInstr& in) {
+  const LayerWeights& L = w.layers[size_t(in.layer)];
+  const MlaWeights& m = L.mla;
+  const int64_t l = in.layer, r = p.kv_lora, rd = p.rope_dim, lat = r + rd, nope = p.nope, vd = p.v_dim;
+  const int64_t first = p.proj_rows - lat, kvb_row = nope + vd;
+  switch (in.op) {
+    case StepOp::MlaNormProj: {
+      std::vector<float> xs(static_cast<size_t>(B * H));
+      for (int64_t b = 0; b < B; ++b) std::copy_n(norm(b, L.attn_norm), H, xs.begin() + b * H);
+      for (int64_t row = in.a; row < in.b; ++row) {
+        const Linear& W = row < first ? (p.q_lora > 0 ? m.q_a : m.q) : m.kv_a;
+        rows(W, row < first ? row : row - first, xs.data(), H,
+             [&](int64_t b, float v) { proj[size_t(b * p.proj_rows + row)] = v; });
+      }
+      return;
+    }
+    case StepOp::MlaLatent:
+      for (int64_t b = 0; b < B; ++b) {
+        float* latent = proj.data() + b * p.proj_rows + first;
+        rms_norm(latent, m.kv_a_norm.data(), 1, r, c.mla.latent_norm_eps, latent);
+        apply_rope(latent + r, 1, rd, pos[size_t(b)], rope);
+        std::copy_n(latent, lat, caches[size_t(b)]->k(l, pos[size_t(b)]));
+        if (p.q_lora > 0)
+          rms_norm(proj.data() + b * p.proj_rows, m.q_a_norm.data(), 1, p.q_lora, c.mla.latent_norm_eps,
+                   qlat.data() + b * p.q_lora);
+      }
+      return;
+    case StepOp::MlaQb:
+      for (int64_t row = in.a; row < in.b; ++row)
+        rows(m.q_b, row, qlat.data(), p.q_lora, [&](int64_t b, float v) { qkv[size_t(b * p.qkv_rows + row)] = v; });
+      return;
+    case StepOp::MlaAbsorbQ: {
+      const int64_t h = in.a;
+      std::vector<float> q(static_cast<size_t>(hd)), k(static_cast<size_t>(r));
+      for (int64_t b = 0; b < B; ++b) {
+        const float* src = p.q_lora > 0 ? qkv.data() + b * p.qkv_rows : proj.data() + b * p.proj_rows;
+        std::copy_n(src + h * hd, hd, q.begin());
+        apply_rope(q.data() + nope, 1, hd, pos[size_t(b)], rope);
+        float* out = qabs.data() + (b * nq + h) * lat;
+        std::fill(out, out + r, 0.0f);
+        for (int64_t d = 0; d < nope; ++d) {
+          m.kv_b.dequant_row(h * kvb_row + d, k.data());
+          for (int64_t e = 0; e < r; ++e) out[e] += q[size_t(d)] * k[size_t(e)];
+        }
+        std::copy_n(q.data() + nope, rd, out + r);
+      }
+      return;
+    }
+    case StepOp::MlaAttnSplit: {
+      const int64_t s = in.a;
+      std::vector<float> sc;
+      for (int64_t b = 0; b < B; ++b) {
+        const KvCache& cache = *caches[size_t(b)];
+        const int64_t len = pos[size_t(b)] + 1, j0 = s * len / p.splits, j1 = (s + 1) * len / p.splits;
+        sc.resize(size_t(std::max<int64_t>(j1 - j0, 0)));
+        for (int64_t h = 0; h < nq; ++h) {
+          const float* q = qabs.data() + (b * nq + h) * lat;
+          float mx = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+          for (int64_t j = j0; j < j1; ++j) {
+            const float* row = cache.k(l, j);
+            sc[size_t(j - j0)] = (dot(q, row, r) + dot(q + r, row + r, rd)) * c.mla.softmax_scale;
+            mx = std::max(mx, sc[size_t(j - j0)]);
+          }
+          float* out = mla_part(b, s, h);
+          std::fill(out + 2, out + 2 + r, 0.0f);
+          for (int64_t j = j0; j < j1; ++j) {
+            const float e = std::exp(sc[size_t(j - j0)] - mx);
+            sum += e;
+            const float* row = cache.k(l, j);
+            for (int64_t d = 0; d < r; ++d) out[2 + d] += e * row[d];
+          }
+          out[0] = mx;
+          out[1] = sum;
+        }
+      }
+      return;
+    }
+    case StepOp::MlaCombineAbsorb: {
+      std::vector<float> o(static_cast<size_t>(r)), v(static_cast<size_t>(r));
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = in.a; h < in.b; ++h) {
+          float mx = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+          for (int64_t s = 0; s < p.splits; ++s)
+            if (mla_part(b, s, h)[1] > 0) mx = std::max(mx, mla_part(b, s, h)[0]);
+          std::fill(o.begin(), o.end(), 0.0f);
+          for (int64_t s = 0; s < p.splits; ++s) {
+            const float* ps = mla_part(b, s, h);
+            if (ps[1] <= 0) continue;
+            const float f = std::exp(ps[0] - mx);
+            sum += f * ps[1];
+            for (int64_t d = 0; d < r; ++d) o[size_t(d)] += f * ps[2 + d];
+          }
+          for (int64_t d = 0; d < r; ++d) o[size_t(d)] /= sum;
+          for (int64_t e = 0; e < vd; ++e) {
+            m.kv_b.dequant_row(h * kvb_row + nope + e, v.data());
+            att[size_t(b * p.att_rows + h * vd + e)] = dot(o.data(), v.data(), r);
+          }
+        }
+      return;
+    }
+    default: fail("internal: ", step_op_name(in.op), " is not an MLA op");
+  }
+}
 
 void Step::run(const StepInstr& in, std::span<const int32_t> tokens) {
   const LayerWeights* L = in.layer >= 0 ? &w.layers[size_t(in.layer)] : nullptr;
@@ -154,8 +264,14 @@ void Step::run(const StepInstr& in, std::span<const int32_t> tokens) {
     }
     case StepOp::OProj:
       for (int64_t r = in.a; r < in.b; ++r)
-        rows(L->o, r, att.data(), qr, [&](int64_t b, float v) { x[size_t(b * H + r)] += v; });
+        rows(L->o, r, att.data(), p.att_rows, [&](int64_t b, float v) { x[size_t(b * H + r)] += v; });
       return;
+    case StepOp::MlaNormProj:
+    case StepOp::MlaLatent:
+    case StepOp::MlaQb:
+    case StepOp::MlaAbsorbQ:
+    case StepOp::MlaAttnSplit:
+    case StepOp::MlaCombineAbsorb: return run_mla(in);
     case StepOp::FfnNormRouter: {
       std::vector<float> xs(size_t(B * H));
       for (int64_t b = 0; b < B; ++b) std::copy_n(norm(b, L->ffn_norm), H, xs.begin() + b * H);

@@ -37,6 +37,7 @@ __device__ void run_instr(const PProgram& P, const PInstr& in, float* smem) {
     case StepOp::MlpGateUp: return mlp_gate_up<B>(P, in);
     case StepOp::MlpDown: return mlp_down<B>(P, in);
     case StepOp::HeadNormLogits: return head_logits<B>(P, in);
+    default: return;  // MLA's ops: refused when the plan is uploaded
   }
 }
 
@@ -123,6 +124,7 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
   if (p.layers != c.num_layers || p.hidden != c.hidden_size || p.vocab != c.vocab_size)
     fail("persistent step: the plan is for another model (", p.architecture, ")");
   if (B < 1 || B > 8) fail("persistent step: 1 to 8 sequences, not ", B);
+  if (p.mla) fail("persistent step: the CUDA interpreter has no MLA ops yet (", p.architecture, ")");
   if (B > kv.max_batch()) fail("persistent step: a plan of ", B, " sequences over a decoder of ", kv.max_batch());
   if (int(p.queues.size()) > sm_count())
     fail("persistent step: the plan has ", p.queues.size(), " queues; this GPU has ", sm_count(), " SMs");
