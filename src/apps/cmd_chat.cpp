@@ -84,7 +84,7 @@ Run add_chat(CLI::App& app) {
       }
       if (line.empty()) continue;
       messages.push_back({{"role", "user"}, {"content", line}});
-      const std::vector<int32_t> all = tok.encode(chat.prompt(messages), false, true);
+      const std::vector<int32_t> all = chat.encode(messages, tok, false);
       if (int64_t(all.size()) + o->reply.max_tokens > o->context) {
         std::fprintf(stderr, "kestrel: the conversation would need %zu + %d positions, more than the context of %lld; "
                              "/reset to start over\n", all.size(), o->reply.max_tokens, (long long)o->context);
@@ -107,8 +107,12 @@ Run add_chat(CLI::App& app) {
       held.assign(all.begin(), all.begin() + long(keep));
       held.insert(held.end(), r.ran.begin(), r.ran.end());
       messages.push_back({{"role", "assistant"}, {"content", r.text}});
-      std::fprintf(stderr, "(%zu new prompt tokens, %d generated, %.1f tokens/s)\n", fresh.size(), r.generated,
+      std::fprintf(stderr, "(%zu new prompt tokens, %d generated, %.1f tokens/s", fresh.size(), r.generated,
                    r.decode_steps ? r.decode_steps / r.decode_s : 0.0);
+      if (r.speculation.verifications)
+        std::fprintf(stderr, "; %.0f%% of drafted tokens accepted, %.2f tokens per check", 100.0 * r.speculation.acceptance(),
+                     r.speculation.mean_accepted_length());
+      std::fprintf(stderr, ")\n");
     }
     return 0;
   };

@@ -67,8 +67,7 @@ Run add_generate(CLI::App& app) {
       nlohmann::ordered_json messages = nlohmann::ordered_json::array();
       if (!o->system.empty()) messages.push_back({{"role", "system"}, {"content", o->system}});
       messages.push_back({{"role", "user"}, {"content", o->prompt}});
-      const std::string text = text::load_model_chat(*model, o->model).prompt(messages);
-      prompt = tok.encode(text, false, true);
+      prompt = text::load_model_chat(*model, o->model).encode(messages, tok, false);
     } else {
       prompt = tok.encode(o->prompt, true, true);
     }
@@ -85,6 +84,14 @@ Run add_generate(CLI::App& app) {
                  "prompt tokens: %zu, generated tokens: %d, prefill: %.1f tokens/s, decode: %.1f tokens/s (%s)\n",
                  prompt.size(), r.generated, double(prompt.size()) / r.prefill_s,
                  r.decode_steps ? double(r.decode_steps) / r.decode_s : 0.0, runner->describe().c_str());
+    if (o->reply.speculation.method != "none") {
+      const SpeculationStats& sp = r.speculation;
+      std::fprintf(stderr,
+                   "speculative (%s, at most %d drafted per check): %lld checks, %lld of %lld drafted tokens accepted (%.0f%%), "
+                   "%.2f tokens per check\n",
+                   o->reply.speculation.method.c_str(), o->reply.speculation.draft_tokens, (long long)sp.verifications,
+                   (long long)sp.accepted, (long long)sp.drafted, 100.0 * sp.acceptance(), sp.mean_accepted_length());
+    }
     return 0;
   };
 }

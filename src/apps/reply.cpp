@@ -26,7 +26,85 @@ void add_reply_options(CLI::App& app, ReplyOptions& o) {
                  "Subtracted per occurrence of a token already generated (0: off)");
   app.add_option("--seed", o.sampling.seed, "Random seed (default 0)");
   app.add_option("--stop", o.stops, "Stop when this text appears (repeatable)");
+  app.add_option("--speculative", o.speculation.method,
+                 "none (default) or ngram: draft tokens by prompt lookup and check them in one run (same greedy "
+                 "output, same sampling distribution)");
+  app.add_option("--draft-tokens", o.speculation.draft_tokens, "The most tokens drafted per check with --speculative (default 8)");
 }
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+// What emitting a token did: nothing (an end-of-sequence token ends the reply unshown), or
+// showed it with more to come, or showed the last (a stop string or max_tokens).
+enum class Emitted { Nothing, More, Last };
+
+// The speculative loop: each round runs the token the previous round left unrun (if any) and the
+// drafts after it in one run, checks the drafts in order against the logits before each, keeps
+// the accepted ones in the cache and rewinds the rest. `logits` holds the prefill's last logits.
+template <class Emit>
+void speculate(Runner& runner, std::vector<float>& logits, std::vector<int32_t>& history, size_t prompt_len,
+               const ReplyOptions& o, Sampler& sampler, Reply& r, Emit&& emit) {
+  const SpeculationOptions& so = o.speculation;
+  const size_t V = size_t(runner.vocab());
+  std::vector<float> rows;
+  std::vector<int32_t> pending;  // emitted, not yet run
+  DraftLength length(so.draft_tokens);
+  while (r.generated < o.max_tokens) {
+    const int room = o.max_tokens - r.generated;  // the target's own token always fits
+    const int k = std::min(length.next(), room - 1);
+    const std::vector<int32_t> draft = k > 0 ? ngram_draft(history, k, so.max_match, so.min_match) : std::vector<int32_t>{};
+    std::vector<int32_t> run = pending;
+    run.insert(run.end(), draft.begin(), draft.end());
+    const int64_t base = runner.position();
+    const size_t offset = pending.size();
+    if (!run.empty()) {
+      const auto t = clock_type::now();
+      rows.resize(run.size() * V);
+      runner.run(run, rows.data(), true);
+      r.decode_s += std::chrono::duration<double>(clock_type::now() - t).count();
+      r.ran.insert(r.ran.end(), run.begin(), run.end());
+      if (offset) std::copy_n(rows.begin(), V, logits.begin());
+    }
+    pending.clear();
+    if (draft.empty()) {
+      const int32_t next = sampler.sample(logits, history, prompt_len);
+      if (emit(next) != Emitted::More) return;
+      pending = {next};
+      continue;
+    }
+    ++r.speculation.verifications;
+    r.speculation.drafted += int64_t(draft.size());
+    size_t accepted = 0;
+    bool ended = false;
+    for (size_t j = 0; j < draft.size(); ++j) {
+      const float* before = j == 0 ? logits.data() : rows.data() + (offset + j - 1) * V;
+      const Sampler::Verdict v = sampler.verify({before, V}, history, prompt_len, draft[j]);
+      const Emitted e = emit(v.token);
+      if (e != Emitted::More) {
+        ended = true;
+        if (v.accepted && e == Emitted::Last) ++accepted;  // an end-of-sequence token stays out of the cache
+        break;
+      }
+      if (!v.accepted) {
+        pending = {v.token};
+        break;
+      }
+      ++accepted;
+    }
+    r.speculation.accepted += int64_t(accepted);
+    length.checked(int(draft.size()), int(accepted));
+    // The cache keeps what was run up to the last accepted draft.
+    const size_t keep = offset + accepted;
+    runner.rewind(base + int64_t(keep));
+    r.ran.resize(r.ran.size() - (run.size() - keep));
+    if (ended) return;
+    if (pending.empty()) std::copy_n(rows.begin() + (keep - 1) * V, V, logits.begin());
+  }
+}
+
+}  // namespace
 
 Reply reply(Runner& runner, const text::Tokenizer& tok, const std::vector<int64_t>& eos, std::span<const int32_t> fresh,
             std::vector<int32_t>& history, size_t prompt_len, const ReplyOptions& o,
@@ -46,6 +124,27 @@ Reply reply(Runner& runner, const text::Tokenizer& tok, const std::vector<int64_
   std::vector<float> logits;
   const auto t0 = clock::now();
   logits.resize(static_cast<size_t>(runner.vocab()));
+  check_speculation_options(o.speculation);
+  if (o.speculation.method == "ngram") {
+    // Sampled on the host: the check needs the logits of every drafted position.
+    runner.run(fresh, logits.data(), false);
+    r.prefill_s = std::chrono::duration<double>(clock::now() - t0).count();
+    // Emits one token; false when generation ends with it (not emitted for an end-of-sequence token).
+    auto take = [&](int32_t next) {
+      if (is_eos(next)) return Emitted::Nothing;
+      history.push_back(next);
+      ++r.generated;
+      out(stop.push(stream.push(next)));
+      return !stop.stopped() && r.generated < o.max_tokens ? Emitted::More : Emitted::Last;
+    };
+    speculate(runner, logits, history, prompt_len, o, sampler, r, take);
+    r.decode_steps = std::max(0, r.generated - 1);
+    if (!stop.stopped()) {
+      out(stop.push(stream.flush()));
+      out(stop.flush());
+    }
+    return r;
+  }
   // The device's own draw where it samples (the GPU), else -1 and the logits for the host's.
   int32_t drawn = runner.run_sample(fresh, logits.data(), o.sampling, 0);
   r.prefill_s = std::chrono::duration<double>(clock::now() - t0).count();

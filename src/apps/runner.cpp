@@ -33,6 +33,7 @@ class CpuRunner final : public Runner {
     std::copy(every.end() - vocab_, every.end(), logits);
   }
   void reset() override { cache_.clear(); }
+  void rewind(int64_t position) override { cache_.truncate(position); }
   int64_t position() const override { return cache_.length(); }
   int64_t vocab() const override { return vocab_; }
   std::string describe() const override {
@@ -60,6 +61,7 @@ class CudaRunner final : public Runner {
     return session_->run_sample(tokens, cuda::sample_params(o, draw));
   }
   void reset() override { session_->reset(); }
+  void rewind(int64_t position) override { session_->rewind(int(position)); }
   int64_t position() const override { return session_->position(); }
   int64_t vocab() const override { return gpus_.part(0).config().vocab_size; }
   std::string describe() const override {

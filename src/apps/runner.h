@@ -33,6 +33,8 @@ class Runner {
   }
   // Forgets every position: the next run starts at position 0.
   virtual void reset() = 0;
+  // Forgets the positions from `position` on (speculative decoding's rejected drafts).
+  virtual void rewind(int64_t position) = 0;
   // Positions held; logits per token.
   virtual int64_t position() const = 0;
   virtual int64_t vocab() const = 0;

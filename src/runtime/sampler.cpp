@@ -98,16 +98,15 @@ std::vector<float> sampling_distribution(std::span<const float> logits, const Sa
 
 Sampler::Sampler(const SamplerOptions& o) : o_(o), rng_(o.seed) { check_sampler_options(o); }
 
-int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> history, size_t prompt_len) {
+void Sampler::penalize(std::span<const float> logits, std::span<const int32_t> history, size_t prompt_len) {
   if (logits.empty()) fail("sampler: empty logits");
   work_.assign(logits.begin(), logits.end());
   apply_repetition_penalty(work_, history, o_.repetition_penalty);
   apply_presence_frequency_penalty(work_, history.subspan(std::min(prompt_len, history.size())), o_.presence_penalty,
                                    o_.frequency_penalty);
-  if (o_.temperature == 0.0f)
-    return int32_t(std::max_element(work_.begin(), work_.end()) - work_.begin());
-  const std::vector<float> p = sampling_distribution(work_, o_);
-  const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng_);
+}
+
+int32_t Sampler::draw(const std::vector<float>& p, double u) {
   double cum = 0;
   int32_t last = -1;
   for (size_t i = 0; i < p.size(); ++i) {
@@ -117,6 +116,34 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
     if (u < cum) return last;
   }
   return last;
+}
+
+int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> history, size_t prompt_len) {
+  penalize(logits, history, prompt_len);
+  if (o_.temperature == 0.0f)
+    return int32_t(std::max_element(work_.begin(), work_.end()) - work_.begin());
+  const std::vector<float> p = sampling_distribution(work_, o_);
+  return draw(p, std::uniform_real_distribution<double>(0.0, 1.0)(rng_));
+}
+
+Sampler::Verdict Sampler::verify(std::span<const float> logits, std::span<const int32_t> history, size_t prompt_len,
+                                 int32_t draft) {
+  penalize(logits, history, prompt_len);
+  if (o_.temperature == 0.0f) {
+    const int32_t best = int32_t(std::max_element(work_.begin(), work_.end()) - work_.begin());
+    return {best, best == draft};
+  }
+  std::vector<float> p = sampling_distribution(work_, o_);
+  const double pd = draft >= 0 && size_t(draft) < p.size() ? double(p[size_t(draft)]) : 0.0;
+  if (std::uniform_real_distribution<double>(0.0, 1.0)(rng_) < pd) return {draft, true};
+  // Rejected: the rest of the distribution, renormalized (the residual max(0, p - q) for a draft
+  // distribution q that is all on the draft).
+  double rest = 0;
+  for (size_t i = 0; i < p.size(); ++i)
+    if (int32_t(i) != draft) rest += p[i];
+  if (draft >= 0 && size_t(draft) < p.size()) p[size_t(draft)] = 0.0f;
+  if (rest <= 0) return {draft, true};  // every token's mass was the draft's
+  return {draw(p, std::uniform_real_distribution<double>(0.0, rest)(rng_)), false};
 }
 
 StopMatcher::StopMatcher(std::vector<std::string> stops) {

@@ -49,7 +49,24 @@ class Sampler {
   // frequency penalties count.
   int32_t sample(std::span<const float> logits, std::span<const int32_t> history, size_t prompt_len = 0);
 
+  // Speculative decoding's check of a drafted token against the target's logits at its position
+  // (history as for sample(): everything before that position). Greedy: the draft is accepted
+  // when it is the argmax, which is then the token. Sampling, for a draft that was proposed with
+  // certainty (prompt lookup): accepted with probability p(draft); when rejected the token is
+  // drawn from p with the draft's mass removed. Either way the token's distribution is exactly
+  // what sample() draws from.
+  struct Verdict {
+    int32_t token;
+    bool accepted;
+  };
+  Verdict verify(std::span<const float> logits, std::span<const int32_t> history, size_t prompt_len, int32_t draft);
+
  private:
+  // The logits with the penalties applied, into work_.
+  void penalize(std::span<const float> logits, std::span<const int32_t> history, size_t prompt_len);
+  // A draw from p (zeros skipped), with `u` in [0, total).
+  static int32_t draw(const std::vector<float>& p, double u);
+
   SamplerOptions o_;
   std::mt19937_64 rng_;
   std::vector<float> work_;

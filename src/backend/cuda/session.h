@@ -40,6 +40,11 @@ class Session {
   int position() const { return pos_; }
   // Forgets the sequence: the next run starts at position 0 (its cache entries are overwritten).
   void reset() { pos_ = 0; }
+  // Forgets the positions from `position` on (their cache entries are overwritten by later runs).
+  void rewind(int position) {
+    if (position < 0 || position > pos_) fail("session: rewind to ", position, " of ", pos_, " positions");
+    pos_ = position;
+  }
 
  private:
   // The steps of `tokens` on one rank's decoder; rank 0 copies the logits out, or with `sample`
