@@ -89,6 +89,37 @@ TEST_P(CudaModelTest, DecodeMatchesCpuAndTransformers) {
   std::printf("  GPU decode: worst rel L2 %.2e vs CPU, %.2e vs transformers\n", worst_cpu, worst_ref);
 }
 
+// Rewinding a Session (speculative decoding's rejected drafts) forgets the positions after it:
+// running the same tokens again there gives the same logits, and other tokens those of a session
+// that never saw the forgotten ones (to the rounding of chunks of other lengths).
+TEST_P(CudaModelTest, SessionRewind) {
+  const std::string dir = test::fixture_dir(GetParam());
+  auto model = load_model(dir);
+  const test::Reference ref = test::load_reference(dir);
+  const int64_t T = int64_t(ref.tokens.size()), V = ref.vocab;
+  ASSERT_GE(T, 4);
+  auto dm = cuda::DeviceModel::upload(*model);
+  cuda::Session s(*dm, int(T) + 4);
+  std::vector<float> first(size_t(T * V)), again(size_t(2 * V)), other(size_t(2 * V)), fresh(size_t(T * V));
+  s.run(ref.tokens, first.data(), true);
+  s.rewind(int(T) - 2);
+  EXPECT_EQ(s.position(), T - 2);
+  s.run({ref.tokens.data() + T - 2, 2}, again.data(), true);
+  for (int i = 0; i < 2; ++i)
+    EXPECT_LE(test::rel_l2(again.data() + i * V, first.data() + (T - 2 + i) * V, V), kVsCpu) << "position " << T - 2 + i;
+  // Other tokens after the rewind: as if the forgotten ones had never run.
+  std::vector<int32_t> alt(ref.tokens.begin(), ref.tokens.end());
+  alt[size_t(T - 2)] = (alt[size_t(T - 2)] + 1) % int32_t(V);
+  alt[size_t(T - 1)] = (alt[size_t(T - 1)] + 3) % int32_t(V);
+  s.rewind(int(T) - 2);
+  s.run({alt.data() + T - 2, 2}, other.data(), true);
+  cuda::Session clean(*dm, int(T) + 4);
+  clean.run(alt, fresh.data(), true);
+  for (int i = 0; i < 2; ++i)
+    EXPECT_LE(test::rel_l2(other.data() + i * V, fresh.data() + (T - 2 + i) * V, V), kVsCpu) << "position " << T - 2 + i;
+  EXPECT_THROW(s.rewind(int(T) + 1), Error);
+}
+
 // A Session (what generate and logits run on the GPU) gives the CPU's logits for a prompt run
 // at once, then for tokens run one by one after it, and refuses to run past its context.
 TEST_P(CudaModelTest, SessionMatchesCpu) {
