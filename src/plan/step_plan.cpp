@@ -33,6 +33,10 @@ const char* step_op_name(StepOp op) {
     case StepOp::MlaAbsorbQ: return "mla_absorb_q";
     case StepOp::MlaAttnSplit: return "mla_attn_split";
     case StepOp::MlaCombineAbsorb: return "mla_combine_absorb";
+    case StepOp::IndexProj: return "index_proj";
+    case StepOp::IndexPrep: return "index_prep";
+    case StepOp::IndexScore: return "index_score";
+    case StepOp::IndexTopK: return "index_topk";
   }
   return "?";
 }
@@ -53,6 +57,10 @@ const char* step_buf_name(StepBuf b) {
     case StepBuf::MlaProj: return "mla_proj";
     case StepBuf::QLat: return "q_latent";
     case StepBuf::QAbs: return "q_absorbed";
+    case StepBuf::IndexQ: return "index_q";
+    case StepBuf::IndexCache: return "index_cache";
+    case StepBuf::IndexScores: return "index_scores";
+    case StepBuf::Selection: return "selection";
   }
   return "?";
 }
@@ -264,13 +272,52 @@ void Builder::mla_attention(int32_t l) {
     i.writes = {{StepBuf::QAbs, h, h + 1}};
     i.weight_bytes = double(p.nope) * double(r) * bkvb;
   }
-  op(StepOp::MlaAttnSplit, l);
   const double positions = double(std::max<int64_t>(o_.context, 1));
+  const bool sparse = p.index_topk > 0;
+  if (sparse && c_.indexer.own[size_t(l)]) {
+    // The indexer: its projections, the key into the index cache, every position's score, the
+    // best index_topk positions per token, which this layer and the ones reusing it attend to.
+    const int64_t ih = p.index_heads, id = p.index_dim, qrows = ih * id;
+    const double bwq = bpw(at + "indexer.wq_b"), bwk = bpw(at + "indexer.wk"), bww = bpw(at + "indexer.weights_proj");
+    op(StepOp::IndexProj, l);
+    for (const auto& [r0, r1] : tile_rows(qrows, id, o_.row_quantum, std::max<int64_t>(1, target() - 2))) {
+      StepInstr& i = tile(r0, r1);
+      i.reads = {{StepBuf::QLat, 0, p.q_lora}};
+      i.writes = {{StepBuf::IndexQ, r0, r1}};
+      i.weight_bytes = double(r1 - r0) * double(p.q_lora) * bwq;
+    }
+    StepInstr& k = tile(qrows, qrows + id);
+    k.reads = {{StepBuf::Hidden, 0, H}};
+    k.writes = {{StepBuf::IndexQ, qrows, qrows + id}};
+    k.weight_bytes = double(id) * double(H) * bwk;
+    StepInstr& w = tile(qrows + id, p.index_rows);
+    w.reads = {{StepBuf::Hidden, 0, H}};
+    w.writes = {{StepBuf::IndexQ, qrows + id, p.index_rows}};
+    w.weight_bytes = double(ih) * double(H) * bww;
+    op(StepOp::IndexPrep, l);
+    StepInstr& prep = tile(0, 1);
+    prep.reads = {{StepBuf::IndexQ, 0, qrows + id}};
+    prep.writes = {{StepBuf::IndexQ, 0, qrows + id}, {StepBuf::IndexCache, l, l + 1}};
+    op(StepOp::IndexScore, l);
+    for (int64_t s = 0; s < p.splits; ++s) {
+      StepInstr& i = tile(s, s + 1);
+      i.reads = {{StepBuf::IndexQ, 0, p.index_rows}, {StepBuf::IndexCache, l, l + 1}};
+      i.writes = {{StepBuf::IndexScores, s, s + 1}};
+      i.cache_bytes = double(o_.batch) * positions / double(p.splits) * double(id) * o_.kv_value_bytes;
+    }
+    op(StepOp::IndexTopK, l);
+    StepInstr& top = tile(0, 1);
+    top.reads = {{StepBuf::IndexScores, 0, p.splits}};
+    top.writes = {{StepBuf::Selection, 0, 1}};
+  }
+  op(StepOp::MlaAttnSplit, l);
+  const double attended = sparse ? std::min(positions, double(p.index_topk)) : positions;
   for (int64_t s = 0; s < p.splits; ++s) {
     StepInstr& i = tile(s, s + 1);
     i.reads = {{StepBuf::QAbs, 0, nh}, {StepBuf::KvCache, l, l + 1}};
+    if (sparse) i.reads.push_back({StepBuf::Selection, 0, 1});
     i.writes = {{StepBuf::AttnPart, s, s + 1}};
-    i.cache_bytes = double(o_.batch) * positions / double(p.splits) * double(lat) * o_.kv_value_bytes;
+    i.cache_bytes = double(o_.batch) * attended / double(p.splits) * double(lat) * o_.kv_value_bytes;
   }
   op(StepOp::MlaCombineAbsorb, l);
   for (const auto& [h0, h1] : tile_rows(nh, 1, 1, target())) {
@@ -498,7 +545,6 @@ void Builder::connect() {
 }  // namespace
 
 StepPlan make_step_plan(const ModelConfig& c, const StepPlanOptions& o) {
-  if (c.indexer.enabled()) fail(c.architecture, ": the persistent step is not planned for the DSA indexer (GLM-5) yet");
   if (o.batch < 1 || o.batch > 64) fail("plan: batch must be 1..64, got ", o.batch);
   if (o.sms < 1 || o.sms > 1024) fail("plan: SMs must be 1..1024, got ", o.sms);
   if (o.context < 1) fail("plan: context must be at least 1, got ", o.context);
@@ -525,6 +571,12 @@ StepPlan make_step_plan(const ModelConfig& c, const StepPlanOptions& o) {
     p.qkv_rows = p.heads * p.head_dim;  // the queries
     p.att_rows = p.heads * p.v_dim;
     p.proj_rows = (p.q_lora > 0 ? p.q_lora : p.qkv_rows) + p.kv_lora + p.rope_dim;
+    if (c.indexer.enabled()) {
+      p.index_heads = c.indexer.heads;
+      p.index_dim = c.indexer.head_dim;
+      p.index_topk = c.indexer.topk;
+      p.index_rows = p.index_heads * p.index_dim + p.index_dim + p.index_heads;
+    }
   }
   p.vocab = c.vocab_size;
   p.mlp_rows = c.intermediate_size;
@@ -549,6 +601,11 @@ StepPlan make_step_plan(const ModelConfig& c, const StepPlanOptions& o) {
   p.units[size_t(StepBuf::MlaProj)] = p.proj_rows;
   p.units[size_t(StepBuf::QLat)] = p.q_lora;
   p.units[size_t(StepBuf::QAbs)] = p.mla ? p.heads : 0;
+  const bool sparse = p.index_topk > 0;
+  p.units[size_t(StepBuf::IndexQ)] = p.index_rows;
+  p.units[size_t(StepBuf::IndexCache)] = sparse ? p.layers : 0;
+  p.units[size_t(StepBuf::IndexScores)] = sparse ? p.splits : 0;
+  p.units[size_t(StepBuf::Selection)] = sparse ? 1 : 0;
   p.units[size_t(StepBuf::RouterLogits)] = moe ? c.num_experts : 0;
   p.units[size_t(StepBuf::Routes)] = moe ? 1 : 0;
   p.units[size_t(StepBuf::ExpertMid)] = p.expert_positions * p.expert_rows;

@@ -52,8 +52,13 @@ enum class StepOp : uint8_t {
   MlaAbsorbQ,       // head a: its query's rotary, its non-rotary part carried into latent space -> QAbs
   MlaAttnSplit,     // split a of the positions, every head: partial softmax over the latent rows -> AttnPart
   MlaCombineAbsorb, // heads [a, b): the splits combined in latent space, then out through W_UV -> AttnOut
+  // GLM-5's DSA indexer (layers that run their own; the others read the last Selection).
+  IndexProj,        // rows [a, b) of wq_b (over QLat) | wk | weights_proj (over the normed Hidden) -> IndexQ
+  IndexPrep,        // the key's LayerNorm and rotary, into the index cache; the queries' rotary
+  IndexScore,       // split a of the positions: every cached position's score -> IndexScores
+  IndexTopK,        // each token's index_topk best positions -> Selection
 };
-inline constexpr int kStepOpCount = 20;
+inline constexpr int kStepOpCount = 24;
 const char* step_op_name(StepOp op);
 
 // Activation buffers. Ranges are in units of one token's row, the same range for every token of
@@ -61,9 +66,9 @@ const char* step_op_name(StepOp op);
 // for MLA one per split holding every head; Routes: one unit). Qkv holds MLA's queries.
 enum class StepBuf : uint8_t {
   Hidden, Qkv, KvCache, AttnPart, AttnOut, RouterLogits, Routes, ExpertMid, SharedMid, Mid, Logits,
-  MlaProj, QLat, QAbs
+  MlaProj, QLat, QAbs, IndexQ, IndexCache, IndexScores, Selection
 };
-inline constexpr int kStepBufCount = 14;
+inline constexpr int kStepBufCount = 18;
 const char* step_buf_name(StepBuf b);
 
 struct StepSpan {
@@ -107,6 +112,7 @@ struct StepPlan {
   int64_t att_rows = 0;          // AttnOut per token: heads x head_dim (MLA: heads x v_head_dim)
   bool mla = false;              // head_dim is then qk_head_dim, kv_heads the heads
   int64_t q_lora = 0, kv_lora = 0, nope = 0, rope_dim = 0, v_dim = 0, proj_rows = 0;
+  int64_t index_heads = 0, index_dim = 0, index_topk = 0, index_rows = 0;  // DSA: index_rows = heads x dim + dim + heads
   std::vector<int64_t> units;    // per StepBuf: units per token
   std::vector<StepInstr> instrs; // program order
   std::vector<StepCounter> counters;
@@ -116,7 +122,7 @@ struct StepPlan {
   double cache_bytes() const;
 };
 
-// Fails naming what is not planned yet (GLM-5's DSA indexer; split models are not).
+// Fails naming what is not planned yet (split models are not).
 StepPlan make_step_plan(const ModelConfig& c, const StepPlanOptions& o);
 
 // The rows of a tile rule: `rows` cut into tiles of whole `quantum`s (the last may be short) that

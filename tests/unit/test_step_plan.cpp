@@ -1,6 +1,6 @@
 // The persistent step's plan (plan/step_plan.h): tile rules, the proof of safety on the real
 // shapes and on broken plans, the bytes against the floor, and the plan run tile by tile on the
-// CPU against the reference forward pass on every GQA fixture family and DeepSeek-V3's MLA.
+// CPU against the reference forward pass on every fixture family (GQA, MLA, GLM-5's indexer).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -66,7 +66,7 @@ TEST(StepPlan, TileRows) {
 }
 
 TEST(StepPlan, RealShapesAreSafeAndStreamTheirFloor) {
-  for (const char* name : {"qwen3-30b-a3b-nvfp4.json", "glm-4.5-air-nvfp4.json", "deepseek-v3-nvfp4.json"}) {
+  for (const char* name : {"qwen3-30b-a3b-nvfp4.json", "glm-4.5-air-nvfp4.json", "deepseek-v3-nvfp4.json", "glm-5-nvfp4.json"}) {
     const ModelConfig c = config(name);
     for (int batch : {1, 8}) {
       StepPlanOptions o;
@@ -163,7 +163,6 @@ TEST(StepPlan, BrokenPlansFailNamingTheInstruction) {
     p.instrs[3].reads[0].end += 1;
     EXPECT_NE(error_of([&] { check_step_plan(p); }).find("reads hidden"), std::string::npos);
   }
-  EXPECT_NE(error_of([&] { make_step_plan(config("glm-5-nvfp4.json"), {}); }).find("DSA indexer"), std::string::npos);
 }
 
 // The plan run tile by tile on the CPU gives the reference forward pass's logits and cache.
@@ -227,9 +226,9 @@ TEST(StepPlan, Command) {
   EXPECT_EQ(r.status, 0) << r.output;
   for (const char* want : {"batch 2 on 132 SMs", "norm_qkv", "expert_down", "layer 3 attn_combine kv head 3", "queues:", "checked:"})
     EXPECT_NE(r.output.find(want), std::string::npos) << want << "\n" << r.output;
-  r = test::run_kestrel("plan --model " + configs + "glm-5-nvfp4.json");
-  EXPECT_NE(r.status, 0);
-  EXPECT_NE(r.output.find("DSA indexer"), std::string::npos) << r.output;
+  r = test::run_kestrel("plan --model " + configs + "glm-5-nvfp4.json --op index_topk");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("layer 0 index_topk"), std::string::npos) << r.output;
   r = test::run_kestrel("plan --model " + configs + "qwen3-30b-a3b-nvfp4.json --op nosuch");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("--op nosuch"), std::string::npos) << r.output;
@@ -238,15 +237,7 @@ TEST(StepPlan, Command) {
   EXPECT_NE(r.output.find("batch must be 1..64"), std::string::npos) << r.output;
 }
 
-// Every family the plan covers: the GQA fixtures and DeepSeek-V3's MLA (GLM-5's indexer is not planned yet).
-std::vector<std::string> planned_fixtures() {
-  std::vector<std::string> names = test::gqa_fixture_names();
-  names.push_back("deepseekv3-bf16");
-  names.push_back("deepseekv3-nvfp4");
-  return names;
-}
-
-INSTANTIATE_TEST_SUITE_P(Families, StepPlanRun, ::testing::ValuesIn(planned_fixtures()), test::fixture_test_name);
+INSTANTIATE_TEST_SUITE_P(Families, StepPlanRun, ::testing::ValuesIn(test::fixture_names()), test::fixture_test_name);
 
 }  // namespace
 }  // namespace kestrel

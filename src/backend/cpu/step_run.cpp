@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 
 #include "backend/cpu/linear.h"
 #include "backend/cpu/moe.h"
@@ -22,14 +23,22 @@ struct Step {
   RopeTables rope;
   std::vector<int64_t> pos;
   // The plan's buffers, one row per token.
-  std::vector<float> x, qkv, part, att, router, expert_mid, shared_mid, mid, proj, qlat, qabs;
+  std::vector<float> x, qkv, part, att, router, expert_mid, shared_mid, mid, proj, qlat, qabs, index_q;
+  std::vector<std::vector<float>> index_scores;  // per token: every position's score
+  std::vector<std::vector<int32_t>> selection;   // per token: the positions attended (empty: all)
+  RopeTables index_rope;
   Routing routing;
   std::vector<int32_t> position_expert;  // -1: no expert at that position this step
   std::vector<float> row, xn;
 
   Step(const StepPlan& plan, const Model& m, std::span<KvCache* const> cs, float* out)
       : p(plan), c(m.config), w(m.weights), B(plan.options.batch), H(plan.hidden), hd(plan.head_dim), nq(plan.heads),
-        nkv(plan.kv_heads), G(nq / nkv), qr(nq * hd), kr(nkv * hd), caches(cs), logits(out), rope(m.config.rope) {
+        nkv(plan.kv_heads), G(nq / nkv), qr(nq * hd), kr(nkv * hd), caches(cs), logits(out), rope(m.config.rope),
+        index_rope(m.config.rope) {
+    index_rope.interleaved = m.config.indexer.rope_interleaved;
+    index_q.resize(size_t(B * p.index_rows));
+    index_scores.resize(size_t(B));
+    selection.resize(size_t(B));
     x.resize(size_t(B * H));
     qkv.resize(size_t(B * p.qkv_rows));
     part.resize(size_t(B * (p.mla ? p.splits * nq * (p.kv_lora + 2) : nkv * p.splits * G * (hd + 2))));
@@ -124,13 +133,18 @@ void Step::run_mla(const StepInstr& in) {
       std::vector<float> sc;
       for (int64_t b = 0; b < B; ++b) {
         const KvCache& cache = *caches[size_t(b)];
-        const int64_t len = pos[size_t(b)] + 1, j0 = s * len / p.splits, j1 = (s + 1) * len / p.splits;
+        // The positions attended: the indexer's selection, or every one up to the token's own;
+        // the split takes its share of them.
+        const std::vector<int32_t>& chosen = selection[size_t(b)];
+        const int64_t len = chosen.empty() ? pos[size_t(b)] + 1 : int64_t(chosen.size());
+        auto at = [&](int64_t i) { return chosen.empty() ? i : int64_t(chosen[size_t(i)]); };
+        const int64_t j0 = s * len / p.splits, j1 = (s + 1) * len / p.splits;
         sc.resize(size_t(std::max<int64_t>(j1 - j0, 0)));
         for (int64_t h = 0; h < nq; ++h) {
           const float* q = qabs.data() + (b * nq + h) * lat;
           float mx = -std::numeric_limits<float>::infinity(), sum = 0.0f;
           for (int64_t j = j0; j < j1; ++j) {
-            const float* row = cache.k(l, j);
+            const float* row = cache.k(l, at(j));
             sc[size_t(j - j0)] = (dot(q, row, r) + dot(q + r, row + r, rd)) * c.mla.softmax_scale;
             mx = std::max(mx, sc[size_t(j - j0)]);
           }
@@ -139,7 +153,7 @@ void Step::run_mla(const StepInstr& in) {
           for (int64_t j = j0; j < j1; ++j) {
             const float e = std::exp(sc[size_t(j - j0)] - mx);
             sum += e;
-            const float* row = cache.k(l, j);
+            const float* row = cache.k(l, at(j));
             for (int64_t d = 0; d < r; ++d) out[2 + d] += e * row[d];
           }
           out[0] = mx;
@@ -171,6 +185,67 @@ void Step::run_mla(const StepInstr& in) {
         }
       return;
     }
+    case StepOp::IndexProj: {
+      const IndexerWeights& ix = m.indexer;
+      const int64_t qrows = p.index_heads * p.index_dim, id = p.index_dim;
+      std::vector<float> xs(static_cast<size_t>(B * H));
+      if (in.a >= qrows)
+        for (int64_t b = 0; b < B; ++b) std::copy_n(norm(b, L.attn_norm), H, xs.begin() + b * H);
+      for (int64_t row = in.a; row < in.b; ++row) {
+        auto put = [&](int64_t b, float v) { index_q[size_t(b * p.index_rows + row)] = v; };
+        if (row < qrows) rows(ix.wq_b, row, qlat.data(), p.q_lora, put);
+        else if (row < qrows + id) rows(ix.wk, row - qrows, xs.data(), H, put);
+        else rows(ix.weights_proj, row - qrows - id, xs.data(), H, put);
+      }
+      return;
+    }
+    case StepOp::IndexPrep: {
+      const IndexerWeights& ix = m.indexer;
+      const int64_t ih = p.index_heads, id = p.index_dim;
+      for (int64_t b = 0; b < B; ++b) {
+        float* q = index_q.data() + b * p.index_rows;
+        float* key = q + ih * id;
+        layer_norm(key, ix.k_norm.data(), ix.k_norm_bias.data(), 1, id, 1e-6f, key);
+        apply_rope(q, ih, id, pos[size_t(b)], index_rope);
+        apply_rope(key, 1, id, pos[size_t(b)], index_rope);
+        std::copy_n(key, id, caches[size_t(b)]->index_key(l, pos[size_t(b)]));
+      }
+      return;
+    }
+    case StepOp::IndexScore: {
+      const int64_t s = in.a, ih = p.index_heads, id = p.index_dim;
+      const float head_weight = 1.0f / std::sqrt(float(ih)), scale = 1.0f / std::sqrt(float(id));
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t len = pos[size_t(b)] + 1, j0 = s * len / p.splits, j1 = (s + 1) * len / p.splits;
+        std::vector<float>& score = index_scores[size_t(b)];
+        score.resize(size_t(len));
+        const float* q = index_q.data() + b * p.index_rows;
+        const float* wts = q + ih * id + id;
+        for (int64_t j = j0; j < j1; ++j) {
+          const float* key = caches[size_t(b)]->index_key(l, j);
+          float v = 0;
+          for (int64_t h = 0; h < ih; ++h) v += wts[h] * head_weight * std::max(dot(q + h * id, key, id) * scale, 0.0f);
+          score[size_t(j)] = v;
+        }
+      }
+      return;
+    }
+    case StepOp::IndexTopK:
+      for (int64_t b = 0; b < B; ++b) {
+        std::vector<int32_t>& row = selection[size_t(b)];
+        const std::vector<float>& score = index_scores[size_t(b)];
+        const int64_t seen = pos[size_t(b)] + 1;
+        row.clear();
+        if (seen <= p.index_topk) continue;  // every position
+        row.resize(size_t(seen));
+        std::iota(row.begin(), row.end(), 0);
+        std::partial_sort(row.begin(), row.begin() + p.index_topk, row.end(), [&](int32_t a, int32_t b2) {
+          return score[size_t(a)] > score[size_t(b2)] || (score[size_t(a)] == score[size_t(b2)] && a < b2);
+        });
+        row.resize(size_t(p.index_topk));
+        std::sort(row.begin(), row.end());
+      }
+      return;
     default: fail("internal: ", step_op_name(in.op), " is not an MLA op");
   }
 }
@@ -271,7 +346,11 @@ void Step::run(const StepInstr& in, std::span<const int32_t> tokens) {
     case StepOp::MlaQb:
     case StepOp::MlaAbsorbQ:
     case StepOp::MlaAttnSplit:
-    case StepOp::MlaCombineAbsorb: return run_mla(in);
+    case StepOp::MlaCombineAbsorb:
+    case StepOp::IndexProj:
+    case StepOp::IndexPrep:
+    case StepOp::IndexScore:
+    case StepOp::IndexTopK: return run_mla(in);
     case StepOp::FfnNormRouter: {
       std::vector<float> xs(size_t(B * H));
       for (int64_t b = 0; b < B; ++b) std::copy_n(norm(b, L->ffn_norm), H, xs.begin() + b * H);
