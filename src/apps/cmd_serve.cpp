@@ -43,6 +43,7 @@ struct Options {
   int64_t context = 0, kv_tokens = 0, kv_blocks = 0;
   std::string kv_memory;
   double grace = 10.0;
+  bool no_prefix_cache = false;
   Progress progress = Progress::Auto;
   std::string quant = "none", device = "auto";
   Layout layout;
@@ -137,6 +138,8 @@ Run add_serve(CLI::App& app) {
   app.add_option("--kv-memory", o->kv_memory, "The same as memory (e.g. 8GiB, 512MB)");
   app.add_option("--grace", o->grace, "Seconds running requests get to finish on SIGINT/SIGTERM (default 10)");
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
+  app.add_flag("--no-prefix-cache", o->no_prefix_cache,
+               "Compute every prompt from its first token (default: reuse the KV blocks of prompts' shared beginnings)");
   add_progress_flag(app, o->progress);
   add_quant_option(app, o->quant);
   add_layout_options(app, o->layout);
@@ -175,6 +178,7 @@ Run add_serve(CLI::App& app) {
     eo.kv_tokens = kv_given;
     eo.threads = o->threads;
     eo.layout = o->layout;
+    eo.prefix_cache = !o->no_prefix_cache;
     check_layout(eo.layout, long(model->config.num_experts));
     std::unique_ptr<SequenceSlots> slots;
 #ifdef KESTREL_HAVE_CUDA
@@ -192,7 +196,8 @@ Run add_serve(CLI::App& app) {
         }
         gpus = std::make_unique<cuda::GpuModel>(*model, eo.layout);
         auto gpu_slots =
-            std::make_unique<cuda::GpuSlots>(*gpus, eo.max_batch, int(engine_context(*model, eo)), kv_gpu, kv);
+            std::make_unique<cuda::GpuSlots>(*gpus, eo.max_batch, int(engine_context(*model, eo)), kv_gpu, kv,
+                                             eo.prefix_cache);
         eo.kv_tokens = gpu_slots->kv_positions();  // the engine admits what the pool holds
         if (kv_given == 0)
           std::fprintf(stderr, "kestrel: GPU KV cache: %s (%s)\n", gpu_slots->kv_summary().c_str(),

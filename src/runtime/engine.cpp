@@ -98,7 +98,7 @@ Engine::Engine(const Model& model, const EngineOptions& o, std::unique_ptr<Seque
   context_ = engine_context(model, o_);
   if (o_.kv_tokens <= 0) o_.kv_tokens = 32 * context_;
   o_.kv_tokens = std::max<int64_t>(1, o_.kv_tokens / KvBlockPool::kBlock) * KvBlockPool::kBlock;  // whole blocks
-  if (!slots_) slots_ = make_cpu_slots(model, o_.max_batch, o_.threads, o_.layout, o_.kv_tokens);
+  if (!slots_) slots_ = make_cpu_slots(model, o_.max_batch, o_.threads, o_.layout, o_.kv_tokens, o_.prefix_cache);
   if (slots_->slots() < o_.max_batch)
     fail("--max-batch ", o_.max_batch, ": ", slots_->describe(), " runs at most ", slots_->slots(), " sequences at once");
   thread_ = std::thread([this] { loop(); });
@@ -160,7 +160,9 @@ EngineStats Engine::stats() const {
   st.kv_used = kv_used_;
   st.kv_capacity = o_.kv_tokens;
   st.prompt_tokens = prompt_tokens_;
+  st.cached_tokens = cached_tokens_;
   st.generated_tokens = generated_tokens_;
+  st.prefix = prefix_;
   return st;
 }
 
@@ -221,11 +223,15 @@ void Engine::step_all() {
           finish(s, Finish::Length);
           continue;
         }
-        s.slot = slots_->open(s.positions);
+        const SequenceSlots::Opened o = slots_->open(s.positions, s.req.prompt);
+        s.slot = o.slot;
+        s.prefilled = size_t(o.cached);
         s.sampler = std::make_unique<Sampler>(s.req.sampling);
         s.history = s.req.prompt;
+        if (s.index == 0) s.stream->set_cached_tokens(o.cached);
         std::lock_guard<std::mutex> lock(mu_);
         prompt_tokens_ += int64_t(s.req.prompt.size());
+        cached_tokens_ += o.cached;
       }
     } catch (const std::exception& ex) {
       finish(s, Finish::Error, ex.what());
@@ -267,6 +273,9 @@ void Engine::step_all() {
     s.prefilled += ran[i];
     if (jobs[i].logits) emit(s, s.drawn);
   }
+  const PrefixCacheStats p = slots_->prefix_stats();
+  std::lock_guard<std::mutex> lock(mu_);
+  prefix_ = p;
 }
 
 void Engine::emit(Sequence& s, int32_t drawn) {

@@ -35,6 +35,7 @@ struct EngineOptions {
   int64_t kv_tokens = 0;       // KV positions shared by all running sequences (0: 32 x context)
   int64_t context = 0;         // most positions one sequence may use (0: the model's, capped at 8192)
   int prefill_chunk = 64;      // prompt tokens run per sequence and step
+  bool prefix_cache = true;    // the CPU slots' (sequence_slots.h); the GPU's are made with their own
   int threads = 0;             // CPU threads (0: all cores)
   Layout layout;               // the model split over threads (parallel/layout.h)
 };
@@ -95,6 +96,9 @@ class RequestStream {
   void cancel(int choice) { choice_cancelled_.at(size_t(choice)) = true; }
   bool cancelled() const { return cancelled_; }
   bool cancelled(int choice) const { return cancelled_ || choice_cancelled_.at(size_t(choice)); }
+  // Prompt positions whose KV came from the prefix cache (choice 0's), set when it starts.
+  int64_t cached_tokens() const { return cached_tokens_; }
+  void set_cached_tokens(int64_t n) { cached_tokens_ = n; }
   int choices() const { return int(choice_cancelled_.size()); }
   void push(TokenEvent e);
 
@@ -104,6 +108,7 @@ class RequestStream {
   std::deque<TokenEvent> events_;
   int ended_ = 0;  // end events taken
   std::atomic<bool> cancelled_{false};
+  std::atomic<int64_t> cached_tokens_{0};
   std::vector<std::atomic<bool>> choice_cancelled_;
   std::function<void()> notify_;  // under mu_
 };
@@ -118,6 +123,8 @@ struct EngineStats {
   int running = 0, waiting = 0;  // sequences (a request with n choices counts n)
   int64_t kv_used = 0, kv_capacity = 0;
   int64_t prompt_tokens = 0, generated_tokens = 0;  // totals since start
+  int64_t cached_tokens = 0;                        // of the prompt tokens, from the prefix cache
+  PrefixCacheStats prefix;                          // the backend's prefix cache
 };
 
 // The most positions one sequence may use: --context, else the model's, at most 8192.
@@ -171,7 +178,8 @@ class Engine {
   std::deque<Group> waiting_;
   int waiting_seqs_ = 0;
   std::vector<std::unique_ptr<Sequence>> running_;
-  int64_t kv_used_ = 0, prompt_tokens_ = 0, generated_tokens_ = 0;
+  int64_t kv_used_ = 0, prompt_tokens_ = 0, generated_tokens_ = 0, cached_tokens_ = 0;
+  PrefixCacheStats prefix_;
   bool accepting_ = true, stop_ = false;
   std::thread thread_;
 };

@@ -7,33 +7,47 @@
 #include "runtime/kv_cache.h"
 
 namespace kestrel {
+namespace {
 
-KvBlockTables::KvBlockTables(int64_t blocks, int slots, int64_t context)
-    : blocks_(blocks), stride_(KvBlockPool::blocks_for(context)) {
+int64_t checked(int64_t blocks) {
   if (blocks < 1 || blocks >= std::numeric_limits<int32_t>::max())
     fail("a KV pool of ", blocks, " blocks: expected 1 to ", std::numeric_limits<int32_t>::max() - 1);
+  return blocks;
+}
+
+}  // namespace
+
+KvBlockTables::KvBlockTables(int64_t blocks, int slots, int64_t context, bool prefix_cache)
+    : ids_(checked(blocks), prefix_cache), stride_(KvBlockPool::blocks_for(context)) {
   if (slots < 1 || context < 1) fail("internal: KV block tables for ", slots, " slots of ", context, " positions");
   table_.assign(size_t(slots) * size_t(stride_), spare());
-  free_.resize(size_t(blocks));
-  for (int64_t i = 0; i < blocks; ++i) free_[size_t(i)] = int32_t(blocks - 1 - i);  // block 0 first
   held_.assign(size_t(slots), -1);
   changed_.assign(size_t(slots), true);
 }
 
-void KvBlockTables::open(int slot, int64_t positions) {
-  if (is_open(slot)) fail("internal: KV slot ", slot, " is already open");
-  const int64_t need = KvBlockPool::blocks_for(positions);
-  if (positions < 0 || need > stride_)
+void KvBlockTables::open(int slot, int64_t positions, std::span<const int32_t> cached) {
+  auto give_back = [&] {
+    for (size_t i = cached.size(); i-- > 0;) ids_.release(cached[i]);
+  };
+  const int64_t need = KvBlockPool::blocks_for(positions), own = need - int64_t(cached.size());
+  if (slot < 0 || slot >= slots()) give_back();
+  if (is_open(slot)) {  // (is_open fails for a slot outside the tables)
+    give_back();
+    fail("internal: KV slot ", slot, " is already open");
+  }
+  if (positions < 0 || need > stride_ || own < 0) {
+    give_back();
     fail("a sequence of ", positions, " positions does not fit the context of ", stride_ * KvBlockPool::kBlock,
          " positions of a KV block table");
-  if (need > free_blocks())
-    fail("the KV pool has ", free_blocks(), " of its ", blocks_, " blocks of ", KvBlockPool::kBlock,
-         " positions free; a sequence of ", positions, " positions needs ", need);
-  int32_t* row = table_.data() + size_t(slot) * size_t(stride_);
-  for (int64_t i = 0; i < need; ++i) {
-    row[i] = free_.back();
-    free_.pop_back();
   }
+  if (own > free_blocks()) {
+    give_back();
+    fail("the KV pool has ", free_blocks(), " of its ", blocks(), " blocks of ", KvBlockPool::kBlock,
+         " positions free; a sequence of ", positions, " positions needs ", own, " of its own");
+  }
+  int32_t* row = table_.data() + size_t(slot) * size_t(stride_);
+  for (size_t i = 0; i < cached.size(); ++i) row[i] = cached[i];
+  for (int64_t i = int64_t(cached.size()); i < need; ++i) row[i] = ids_.take();
   held_[size_t(slot)] = need;
   changed_[size_t(slot)] = true;
 }
@@ -41,8 +55,8 @@ void KvBlockTables::open(int slot, int64_t positions) {
 void KvBlockTables::close(int slot) {
   if (!is_open(slot)) return;
   int32_t* row = table_.data() + size_t(slot) * size_t(stride_);
-  for (int64_t i = 0; i < held_[size_t(slot)]; ++i) {
-    free_.push_back(row[i]);
+  for (int64_t i = held_[size_t(slot)]; i-- > 0;) {
+    ids_.release(row[i]);
     row[i] = spare();
   }
   held_[size_t(slot)] = -1;

@@ -4,8 +4,8 @@
 
 namespace kestrel {
 
-KvBlockPool::KvBlockPool(int64_t layers, const KvLayout& layout, int64_t max_blocks)
-    : layout_(layout), max_blocks_(max_blocks) {
+KvBlockPool::KvBlockPool(int64_t layers, const KvLayout& layout, int64_t max_blocks, bool prefix_cache)
+    : layout_(layout), max_blocks_(max_blocks), ids_(max_blocks, prefix_cache), blocks_(size_t(max_blocks)) {
   for (int64_t l = 0; l < layers; ++l) {
     k_off_.push_back(block_floats_);
     block_floats_ += kBlock * layout.k_row;
@@ -18,25 +18,19 @@ KvBlockPool::KvBlockPool(int64_t layers, const KvLayout& layout, int64_t max_blo
 
 int64_t KvBlockPool::acquire() {
   std::lock_guard lock(mu_);
-  if (!free_.empty()) {
-    const int64_t b = free_.back();
-    free_.pop_back();
-    return b;
-  }
-  if (int64_t(blocks_.size()) >= max_blocks_)
-    fail("KV cache full: all ", max_blocks_, " blocks of ", kBlock, " positions are in use");
-  blocks_.push_back(std::make_unique<float[]>(size_t(block_floats_)));  // zeroed
-  return int64_t(blocks_.size()) - 1;
+  const int32_t b = ids_.take();
+  if (!blocks_[size_t(b)]) blocks_[size_t(b)] = std::make_unique<float[]>(size_t(block_floats_));  // zeroed
+  return b;
 }
 
 void KvBlockPool::release(int64_t block) {
   std::lock_guard lock(mu_);
-  free_.push_back(block);
+  ids_.release(int32_t(block));
 }
 
 int64_t KvBlockPool::in_use() const {
   std::lock_guard lock(mu_);
-  return int64_t(blocks_.size() - free_.size());
+  return ids_.held();
 }
 
 KvCache::KvCache(int64_t layers, const KvLayout& layout, int64_t capacity)
@@ -54,8 +48,19 @@ KvCache::KvCache(KvCache&& o) noexcept
 }
 
 KvCache::~KvCache() {
-  if (pool_)
-    for (int64_t b : table_) pool_->release(b);
+  if (pool_)  // the last block first: a chain's first blocks stay cached longest
+    for (size_t i = table_.size(); i-- > 0;) pool_->release(table_[i]);
+}
+
+void KvCache::adopt(std::span<const int32_t> blocks) {
+  if (!pool_ || length_ != 0 || !table_.empty() || int64_t(blocks.size()) * KvBlockPool::kBlock > capacity_) {
+    if (pool_)
+      for (size_t i = blocks.size(); i-- > 0;) pool_->release(blocks[i]);
+    fail("internal: a KV cache of ", length_, " positions (capacity ", capacity_, ") cannot take over ", blocks.size(),
+         " cached blocks");
+  }
+  table_.assign(blocks.begin(), blocks.end());
+  length_ = int64_t(blocks.size()) * KvBlockPool::kBlock;
 }
 
 void KvCache::reserve(int64_t n) {

@@ -8,9 +8,11 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <vector>
 
 #include "common/error.h"
+#include "runtime/kv_blocks.h"
 
 namespace kestrel {
 
@@ -21,18 +23,26 @@ struct KvLayout {
 };
 
 // Blocks of kBlock positions for every layer, allocated on first use and reused after release.
-// Within a block, layer by layer: the k rows, the v rows, the index rows of its positions.
+// Within a block, layer by layer: the k rows, the v rows, the index rows of its positions. The
+// ids, their references and the prefix cache are a KvBlocks (kv_blocks.h).
 class KvBlockPool {
  public:
   static constexpr int64_t kBlockShift = 4, kBlock = int64_t(1) << kBlockShift;  // 16 positions per block
-  KvBlockPool(int64_t layers, const KvLayout& layout, int64_t max_blocks);
+  static_assert(kBlock == KvBlocks::kBlock);
+  KvBlockPool(int64_t layers, const KvLayout& layout, int64_t max_blocks, bool prefix_cache = false);
   static int64_t blocks_for(int64_t positions) { return (positions + kBlock - 1) >> kBlockShift; }
 
-  int64_t acquire();  // fails when max_blocks are in use
+  int64_t acquire();  // fails when max_blocks are held
   void release(int64_t block);
   float* block(int64_t b) const { return blocks_[size_t(b)].get(); }
   int64_t in_use() const;
   int64_t max_blocks() const { return max_blocks_; }
+  // The ids under the pool's lock (the prefix cache's match and publish).
+  template <class F>
+  auto with_ids(F f) {
+    std::lock_guard lock(mu_);
+    return f(ids_);
+  }
   size_t block_bytes() const { return size_t(block_floats_) * sizeof(float); }
   const KvLayout& layout() const { return layout_; }
   int64_t layers() const { return int64_t(k_off_.size()); }
@@ -45,8 +55,8 @@ class KvBlockPool {
   int64_t max_blocks_, block_floats_ = 0;
   std::vector<int64_t> k_off_, v_off_, index_off_;
   mutable std::mutex mu_;
-  std::vector<std::unique_ptr<float[]>> blocks_;
-  std::vector<int64_t> free_;
+  KvBlocks ids_;
+  std::vector<std::unique_ptr<float[]>> blocks_;  // null until first taken
 };
 
 class KvCache {
@@ -82,6 +92,12 @@ class KvCache {
   const float* v(int64_t layer, int64_t pos) const { return const_cast<KvCache*>(this)->v(layer, pos); }
   const float* index_key(int64_t layer, int64_t pos) const { return const_cast<KvCache*>(this)->index_key(layer, pos); }
 
+  // An empty cache takes over `blocks` of its pool (references the caller held: a prefix cache
+  // match) as its first positions, full.
+  void adopt(std::span<const int32_t> blocks);
+  // The pool's blocks this cache holds, position 16 i onwards in block i (empty for a split
+  // model's cache).
+  std::span<const int64_t> block_ids() const { return table_; }
   // Makes room for n more positions (taking blocks as needed); the forward pass fills them and
   // then calls commit. Fails when the capacity or the pool's blocks run out.
   void reserve(int64_t n);

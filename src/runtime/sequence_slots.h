@@ -12,6 +12,7 @@
 #include "common/thread_pool.h"
 #include "model/weights.h"
 #include "parallel/layout.h"
+#include "runtime/kv_blocks.h"
 #include "runtime/sampler.h"
 
 namespace kestrel {
@@ -21,9 +22,18 @@ class SequenceSlots {
   virtual ~SequenceSlots() = default;
   virtual int slots() const = 0;
   virtual int64_t max_chunk() const = 0;  // tokens per slot and step
-  // A free slot for a sequence of up to `positions` tokens, starting at position 0.
-  virtual int open(int64_t positions) = 0;
+  // A free slot for a sequence of up to `positions` tokens whose first tokens are `prompt`. With
+  // the prefix cache (kv_blocks.h), the slot starts with the cached blocks of the prompt's first
+  // full blocks, at most all but its last token (whose logits the first job makes): `cached`
+  // positions, where its first job starts. Without, cached is 0.
+  struct Opened {
+    int slot = -1;
+    int64_t cached = 0;
+  };
+  virtual Opened open(int64_t positions, std::span<const int32_t> prompt) = 0;
   virtual void close(int slot) = 0;
+  // The prefix cache's counters (engine thread only).
+  virtual PrefixCacheStats prefix_stats() const { return {}; }
 
   // An offer to draw the next token on the backend, from the last token's logits, instead of
   // handing the logits back. A backend that takes it writes *token and leaves Job::logits as it
@@ -47,8 +57,9 @@ class SequenceSlots {
 };
 
 // The CPU reference backend: `slots` sequences whose KV caches share a pool of kv_positions
-// positions in blocks (kv_cache.h; a split model's ranks give each sequence caches of its own).
+// positions in blocks (kv_cache.h; a split model's ranks give each sequence caches of its own,
+// and have no prefix cache).
 std::unique_ptr<SequenceSlots> make_cpu_slots(const Model& model, int slots, int threads, const Layout& layout,
-                                              int64_t kv_positions);
+                                              int64_t kv_positions, bool prefix_cache = true);
 
 }  // namespace kestrel

@@ -159,6 +159,7 @@ struct HttpServer::Generation : HttpProducer {
       if (ended) throw ApiError(500, "the request's stream ended without a result");
       return std::nullopt;
     }
+    c.usage.cached_tokens = stream->cached_tokens();  // set before the first event
     const int i = e.index;
     if (i < 0 || i >= req.n) throw ApiError(500, "an event of choice " + std::to_string(i) + " the request does not have");
     ChoiceState& st = state[size_t(i)];

@@ -63,6 +63,18 @@ std::string Metrics::render(const EngineStats& e, const HttpStats& h) const {
     out += "kestrel_requests_total{endpoint=\"" + key.first + "\",status=\"" + std::to_string(key.second) + "\"} " +
            std::to_string(n) + "\n";
   gauge(out, "kestrel_prompt_tokens_total", "Prompt tokens run.", "counter", double(e.prompt_tokens));
+  gauge(out, "kestrel_prompt_tokens_cached_total", "Prompt tokens whose KV came from the prefix cache.", "counter",
+        double(e.cached_tokens));
+  gauge(out, "kestrel_prefix_cache_queries_total", "Prompts looked up in the prefix cache.", "counter",
+        double(e.prefix.lookups));
+  gauge(out, "kestrel_prefix_cache_query_tokens_total", "Prompt positions the prefix cache was asked for.", "counter",
+        double(e.prefix.lookup_tokens));
+  gauge(out, "kestrel_prefix_cache_hit_tokens_total", "Prompt positions found in the prefix cache.", "counter",
+        double(e.prefix.hit_tokens));
+  gauge(out, "kestrel_prefix_cache_evictions_total", "Cached KV blocks given to other positions.", "counter",
+        double(e.prefix.evictions));
+  gauge(out, "kestrel_prefix_cache_blocks", "KV blocks of 16 positions the prefix cache holds.", "gauge",
+        double(e.prefix.cached_blocks));
   gauge(out, "kestrel_generation_tokens_total", "Tokens generated.", "counter", double(e.generated_tokens));
   gauge(out, "kestrel_requests_running", "Sequences in the running batch.", "gauge", e.running);
   gauge(out, "kestrel_requests_waiting", "Sequences queued for admission (n per request of n choices).", "gauge", e.waiting);

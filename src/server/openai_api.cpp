@@ -236,7 +236,8 @@ namespace {
 json usage_json(const Usage& u) {
   return {{"prompt_tokens", u.prompt_tokens},
           {"completion_tokens", u.completion_tokens},
-          {"total_tokens", u.prompt_tokens + u.completion_tokens}};
+          {"total_tokens", u.prompt_tokens + u.completion_tokens},
+          {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}}};
 }
 
 json logprobs_json(Endpoint endpoint, const std::vector<TokenInfo>& tokens) {

@@ -68,6 +68,7 @@ struct TokenInfo {
 
 struct Usage {
   int64_t prompt_tokens = 0, completion_tokens = 0;
+  int64_t cached_tokens = 0;  // of the prompt's, from the prefix cache (prompt_tokens_details)
 };
 
 // One choice of a response; `finish_reason` "stop" or "length".

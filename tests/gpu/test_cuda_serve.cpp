@@ -127,6 +127,47 @@ TEST(CudaServe, SixteenSequencesAtOnce) {
   expect_cpu_tokens(o, 20, 0, 16 * 64);
 }
 
+// Requests that share a 40-token beginning, one after another: each after the first takes the
+// 2 full blocks the first computed from the prefix cache and gives the tokens the CPU engine
+// gives without a cache (greedy, drawn on the GPU, and sampled on the host).
+TEST(CudaServe, PrefixCacheHitsGiveTheCpuEnginesTokens) {
+  auto model = load_model(test::fixture_dir("qwen3moe-nvfp4"));
+  EngineOptions o;
+  o.max_batch = 4;
+  o.context = 64;
+  o.threads = 2;
+  std::vector<GenerationRequest> rs = requests(6);
+  for (size_t i = 0; i < rs.size(); ++i) {
+    std::vector<int32_t> p;
+    for (int t = 0; t < 40; ++t) p.push_back(int32_t((7 * t + 3) % 256));
+    for (int t = 0; t < 3 + int(i); ++t) p.push_back(int32_t((11 * i + 13 * t + 2) % 256));
+    rs[i].prompt = p;
+    rs[i].max_tokens = 8;
+  }
+  auto run = [&](Engine& e) {
+    std::vector<std::vector<int32_t>> out;
+    std::vector<int64_t> cached;
+    for (const auto& r : rs) {
+      auto s = e.submit(r);
+      Finish f = Finish::None;
+      out.push_back(drain(*s, &f));
+      EXPECT_EQ(f, Finish::Length);
+      cached.push_back(s->cached_tokens());
+    }
+    return std::make_pair(out, cached);
+  };
+  EngineOptions cpu_o = o;
+  cpu_o.prefix_cache = false;
+  Engine cpu(*model, cpu_o);
+  const auto want = run(cpu).first;
+  cuda::GpuModel on_gpu(*model, Layout{1, 1});
+  auto gpu = gpu_engine(*model, o, on_gpu, 0);
+  const auto [got, cached] = run(*gpu);
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(cached, (std::vector<int64_t>{0, 32, 32, 32, 32, 32}));
+  gpu->shutdown(1.0);
+}
+
 // With a BF16 KV cache (serve's default for GQA models), batched steps give each greedy
 // sequence the tokens a BF16 Session gives it alone: the same rounding of the same keys and
 // values, where the CPU's float32 cache would round differently.
@@ -173,16 +214,17 @@ TEST(CudaServe, SlotsAndPoolLimitsAreNamed) {
   EXPECT_THROW(cuda::GpuSlots(on_gpu, cuda::GpuSlots::kMaxSlots + 1, 64, 0), Error);
   cuda::GpuSlots slots(on_gpu, 2, 64, 40);  // two blocks
   EXPECT_EQ(slots.kv_positions(), 32);
-  EXPECT_EQ(slots.open(20), 0);
+  const std::vector<int32_t> prompt{1, 2, 3};
+  EXPECT_EQ(slots.open(20, prompt).slot, 0);
   try {
-    slots.open(20);
+    slots.open(20, prompt);
     FAIL() << "no error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("0 of its 2 blocks"), std::string::npos) << e.what();
   }
   slots.close(0);
-  EXPECT_EQ(slots.open(32), 0);
-  EXPECT_THROW(slots.open(65), Error);  // longer than the context
+  EXPECT_EQ(slots.open(32, prompt).slot, 0);
+  EXPECT_THROW(slots.open(65, prompt), Error);  // longer than the context
 }
 
 // Requests sampled on the GPU (no penalty, no log-probabilities), through the prefill decoder

@@ -106,6 +106,54 @@ TEST_F(EngineTest, SameTokensAloneAndInABatch) {
   EXPECT_EQ(st.generated_tokens, total);
 }
 
+// The prefix cache: requests that share a beginning with earlier ones take its full blocks from
+// the cache (at most all but the prompt's last token, whose logits the first step makes) and
+// give the tokens they give without it, greedy and sampled: a hit that ends inside a block
+// (the rest of it computed again), a prompt made of an earlier prompt and its reply (the reply's
+// blocks are cached too), a prompt that is a whole number of blocks, and a different start.
+TEST_F(EngineTest, PrefixCacheGivesTheTokensOfAFullPrefill) {
+  const int32_t V = int32_t(model_->config.vocab_size);
+  std::vector<int32_t> a(45);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = int32_t((7 * i + 3) % size_t(V));
+  auto run = [&](bool cache) {
+    EngineOptions o;
+    o.max_batch = 2;
+    o.context = 128;
+    o.prefill_chunk = 20;
+    o.threads = 1;
+    o.prefix_cache = cache;
+    Engine e(*model_, o);
+    std::vector<std::vector<int32_t>> out;
+    std::vector<int64_t> cached;
+    auto go = [&](std::vector<int32_t> prompt, float temperature) {
+      auto s = e.submit(request(std::move(prompt), 8, temperature, 5));
+      out.push_back(drain(*s).tokens);
+      cached.push_back(s->cached_tokens());
+    };
+    go(a, 0.0f);                                                   // computes everything
+    std::vector<int32_t> b(a.begin(), a.begin() + 40);             // a's first 40, then others
+    for (int i = 0; i < 8; ++i) b.push_back(int32_t((11 * i + 1) % V));
+    go(b, 0.0f);                                                   // a's 2 full blocks; 40 ends in the third
+    std::vector<int32_t> turn = a;                                 // a and its reply, then more
+    turn.insert(turn.end(), out[0].begin(), out[0].end());
+    turn.push_back(3);
+    go(turn, 0.7f);
+    go(std::vector<int32_t>(a.begin(), a.begin() + 32), 0.0f);     // 2 whole blocks: the first only
+    std::vector<int32_t> c = a;
+    c[0] = (c[0] + 1) % V;
+    go(c, 0.0f);                                                   // differs in its first token
+    const EngineStats st = e.stats();
+    EXPECT_EQ(st.cached_tokens, cache ? 32 + 48 + 16 : 0);
+    EXPECT_EQ(st.prefix.hit_tokens, st.cached_tokens);
+    return std::make_pair(out, cached);
+  };
+  const auto [without, none] = run(false);
+  const auto [with, cached] = run(true);
+  EXPECT_EQ(with, without);
+  EXPECT_EQ(none, (std::vector<int64_t>{0, 0, 0, 0, 0}));
+  EXPECT_EQ(cached, (std::vector<int64_t>{0, 32, 48, 16, 0}));
+}
+
 // The engine over a model split across threads (the CPU twin of --tp 2 --ep 2 on two GPUs)
 // gives the unsplit engine's greedy tokens.
 TEST_F(EngineTest, SplitModelGivesTheUnsplitTokens) {
@@ -338,7 +386,7 @@ class SamplingSlots final : public SequenceSlots {
       : inner_(make_cpu_slots(m, slots, 1, {}, 4096)), vocab_(size_t(m.config.vocab_size)) {}
   int slots() const override { return inner_->slots(); }
   int64_t max_chunk() const override { return inner_->max_chunk(); }
-  int open(int64_t positions) override { return inner_->open(positions); }
+  Opened open(int64_t positions, std::span<const int32_t> prompt) override { return inner_->open(positions, prompt); }
   void close(int slot) override { inner_->close(slot); }
   void run(std::span<const Job> jobs) override {
     std::vector<Job> js(jobs.begin(), jobs.end());

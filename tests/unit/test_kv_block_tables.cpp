@@ -49,8 +49,8 @@ TEST(KvBlockTables, OpenTakesWholeBlocksAndCloseGivesThemBackMostRecentFirst) {
   EXPECT_FALSE(t.is_open(0));
   EXPECT_EQ(t.held(0), 0);
   EXPECT_EQ(t.changed(), (std::vector<int>{0}));
-  t.open(2, 64);  // the freed blocks, last freed first, then the never used one
-  EXPECT_EQ(row_of(t, 2), (std::vector<int32_t>{4, 3, 2, 5}));
+  t.open(2, 64);  // the freed blocks (given back last block first), last freed first, then the never used one
+  EXPECT_EQ(row_of(t, 2), (std::vector<int32_t>{2, 3, 4, 5}));
   EXPECT_EQ(t.free_blocks(), 0);
   t.close(1);
   t.close(1);  // closing a closed slot does nothing

@@ -139,7 +139,7 @@ TEST(OpenAiApi, BuildsResponsesAndChunks) {
   c.choices.resize(1);
   c.choices[0].text = "hello";
   c.choices[0].finish_reason = "stop";
-  c.usage = {3, 2};
+  c.usage = {3, 2, 1};
   c.choices[0].tokens = {{"hel", -0.5f, {{"hel", -0.5f}, {"he", -1.5f}}}, {"lo", -0.25f, {}}};
   const json r = response_json(Endpoint::Chat, c, true);
   EXPECT_EQ(r["object"], "chat.completion");
@@ -147,6 +147,7 @@ TEST(OpenAiApi, BuildsResponsesAndChunks) {
   EXPECT_EQ(r["choices"][0]["message"]["content"], "hello");
   EXPECT_EQ(r["choices"][0]["finish_reason"], "stop");
   EXPECT_EQ(r["usage"]["total_tokens"], 5);
+  EXPECT_EQ(r["usage"]["prompt_tokens_details"]["cached_tokens"], 1);
   EXPECT_EQ(r["choices"][0]["logprobs"]["content"][0]["top_logprobs"][1]["token"], "he");
   const json t = response_json(Endpoint::Completions, c, true);
   EXPECT_EQ(t["object"], "text_completion");

@@ -41,10 +41,10 @@ int64_t pool_blocks(const GpuModel& model, int slots, int context, int64_t kv_po
 
 }  // namespace
 
-GpuSlots::GpuSlots(const GpuModel& model, int slots, int context, int64_t kv_positions, KvType kv)
+GpuSlots::GpuSlots(const GpuModel& model, int slots, int context, int64_t kv_positions, KvType kv, bool prefix_cache)
     : model_(model), context_(context),
-      tables_(pool_blocks(model, checked_slots(slots), context, kv_positions, kv), slots, context),
-      pos_(size_t(slots), 0), vocab_(model.part(0).config().vocab_size) {
+      tables_(pool_blocks(model, checked_slots(slots), context, kv_positions, kv), slots, context, prefix_cache),
+      pos_(size_t(slots), 0), chains_(size_t(slots)), vocab_(model.part(0).config().vocab_size) {
   const int ranks = model.ranks();
   decs_.resize(size_t(ranks));
   prefill_.resize(size_t(ranks));
@@ -84,13 +84,17 @@ std::string GpuSlots::kv_summary() const {
 
 std::string GpuSlots::describe() const { return "cuda, " + model_.describe() + ", " + kv_summary(); }
 
-int GpuSlots::open(int64_t positions) {
+SequenceSlots::Opened GpuSlots::open(int64_t positions, std::span<const int32_t> prompt) {
   if (positions > context_) fail("a sequence of ", positions, " positions is longer than the GPU context of ", context_);
   for (int i = 0; i < slots(); ++i)
     if (!tables_.is_open(i)) {  // the lowest free slot, so that steps run as few rows as possible
-      tables_.open(i, positions);
-      pos_[size_t(i)] = 0;
-      return i;
+      std::vector<uint64_t> hashes;
+      const std::vector<int32_t> cached =
+          tables_.ids().match(prompt, (int64_t(prompt.size()) - 1) / KvBlocks::kBlock, &hashes);
+      tables_.open(i, positions, cached);
+      chains_[size_t(i)].start(prompt, hashes);
+      pos_[size_t(i)] = int32_t(cached.size()) * KvBlocks::kBlock;
+      return {i, pos_[size_t(i)]};
     }
   fail("internal: no free sequence slot of ", slots());
 }
@@ -185,6 +189,7 @@ void GpuSlots::run(std::span<const Job> jobs) {
   tables_.clear_changed();  // only once every rank has them (a failed run sends them again)
   for (const Job& j : jobs) {
     pos_[size_t(j.slot)] += int32_t(j.tokens.size());
+    chains_[size_t(j.slot)].wrote(j.tokens, tables_.row(j.slot), tables_.ids());
     if (on_gpu(j)) *j.sample->token = (j.tokens.size() == 1 ? drawn_decode : drawn_prefill)[j.slot];
     else if (j.logits) std::memcpy(j.logits, logits_ + size_t(j.slot) * V, V * 4);
   }

@@ -28,15 +28,18 @@ class GpuSlots final : public SequenceSlots {
   // `kv_positions`: the KV pool the slots share (whole blocks of 16, at least one). 0: enough for
   // every slot to hold a whole context, or what 90% of the free memory of each GPU holds if less.
   // kv: the type of the cached keys and values (KvSource::type).
-  GpuSlots(const GpuModel& model, int slots, int context, int64_t kv_positions, KvType kv = KvType::F32);
+  // prefix_cache: blocks of prompts are shared across sequences (runtime/kv_blocks.h).
+  GpuSlots(const GpuModel& model, int slots, int context, int64_t kv_positions, KvType kv = KvType::F32,
+           bool prefix_cache = true);
   ~GpuSlots() override;
 
   int slots() const override { return tables_.slots(); }
   // Positions per prefill step (as Session's chunk: each step reads the weights its tokens touch once).
   static constexpr int kPrefillChunk = 64;
   int64_t max_chunk() const override { return kPrefillChunk; }
-  int open(int64_t positions) override;
+  Opened open(int64_t positions, std::span<const int32_t> prompt) override;
   void close(int slot) override { tables_.close(slot); }
+  PrefixCacheStats prefix_stats() const override { return tables_.ids().stats(); }
   void run(std::span<const Job> jobs) override;
   std::string describe() const override;
 
@@ -52,6 +55,7 @@ class GpuSlots final : public SequenceSlots {
   std::vector<std::unique_ptr<Decoder>> decs_;     // per rank: the batched step over every slot
   std::vector<std::unique_ptr<Decoder>> prefill_;  // per rank: one slot's prompt, in the slot's blocks
   std::vector<int32_t> pos_;  // next position of each slot
+  std::vector<PrefixChain> chains_;  // per slot
   float* logits_ = nullptr;   // pinned [slots, vocab]
   int32_t* drawn_ = nullptr;  // pinned [2, slots]: tokens drawn by the batched step, by prefill steps
   int64_t vocab_;
