@@ -553,9 +553,23 @@ int run_bench(const Options* o) {
         float ms;
         cudaEventElapsedTime(&ms, e0, e1);
         const double pm = double(ms) / o->steps;
-        std::printf("%6s persistent step: %.3f ms (%.2f x floor, %zu instructions on %d SMs)\n", "", pm, pm / floor_ms,
-                    ps.plan().instrs.size(), po.sms);
+        std::printf("%6s persistent step: %.3f ms (%.2f x floor, %zu instructions on %d SMs, %lld with staged weights)\n", "",
+                    pm, pm / floor_ms, ps.plan().instrs.size(), po.sms, (long long)ps.staged_instructions());
         results.back()["persistent_ms"] = pm;
+        // Where the SMs' time goes, per op: cycles running and waiting, summed over its tiles and
+        // spread over the SMs (at the device's rated clock).
+        int khz = 0;
+        KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev));
+        const double per_ms = double(khz) * double(po.sms);  // cycles of all SMs in a millisecond
+        std::printf("%6s %-16s %6s %9s %9s %11s\n", "", "op", "tiles", "run ms", "wait ms", "run us/tile");
+        nlohmann::json pops = nlohmann::json::array();
+        for (const auto& t : ps.trace(s)) {
+          std::printf("%6s %-16s %6d %9.3f %9.3f %11.2f\n", "", step_op_name(t.op), t.tiles, t.run_cycles / per_ms,
+                      t.wait_cycles / per_ms, t.run_cycles / t.tiles / (double(khz) / 1e3));
+          pops.push_back({{"op", step_op_name(t.op)}, {"tiles", t.tiles}, {"run_ms", t.run_cycles / per_ms},
+                          {"wait_ms", t.wait_cycles / per_ms}});
+        }
+        results.back()["persistent_ops"] = pops;
         cudaGraphExecDestroy(exec);
         cudaGraphDestroy(graph);
       }

@@ -587,10 +587,11 @@ StepPlan make_step_plan(const ModelConfig& c, const StepPlanOptions& o) {
     p.shared_rows = c.moe_intermediate_size * c.num_shared_experts;
     p.expert_positions = std::min<int64_t>(c.num_experts, int64_t(o.batch) * c.experts_per_token);
   }
-  // Two blocks' worth of splits per SM over the batch's KV heads (MLA: one group of every
-  // head), at least 16 positions each.
+  // One split per SM over the KV heads (MLA: one group of every head), at least 16 positions
+  // each: the splits run in one wave (two waves of shorter splits measured slower, docs/PERF.md
+  // v29: each split's fixed cost is most of it).
   const int64_t groups = p.mla ? 1 : p.kv_heads;
-  const int64_t want = (2 * int64_t(o.sms) + groups - 1) / groups;
+  const int64_t want = std::max<int64_t>(1, int64_t(o.sms) / groups);
   p.splits = std::clamp<int64_t>(want, 1, std::min<int64_t>(64, (o.context + 15) / 16));
   p.units.assign(kStepBufCount, 0);
   p.units[size_t(StepBuf::Hidden)] = p.hidden;

@@ -4,6 +4,7 @@
 // (experts in index order, then the shared experts, as cpu::moe_forward sums them).
 #pragma once
 #include "backend/cuda/persistent/op_rows.cuh"
+#include "backend/cuda/persistent/weights.cuh"
 #include "backend/cuda/route_select.cuh"
 
 namespace kestrel::cuda {
@@ -18,18 +19,36 @@ __device__ inline void route_tokens(const PProgram& P, const PInstr& in, float* 
   for (int b = warp; b < P.batch; b += warps)
     select_experts<false>(r, P.router + size_t(b) * E, choice, gscore, sel, P.route_e + size_t(b) * K,
                           P.route_w + size_t(b) * K, lane);
+  // The distinct experts in index order: a thread per expert looks for it among the batch's
+  // choices, and a ballot per warp and a running base across passes of 256 experts number them.
+  __shared__ int chosen[8 * 32];  // batch x top_k, at most 8 x 32
+  __shared__ int warp_count[kPersistentThreads / 32];
+  __shared__ int base;
+  __syncthreads();  // the choices, for every thread
+  const int n = P.batch * K;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) chosen[i] = P.route_e[i];
+  if (threadIdx.x == 0) base = 0;
   __syncthreads();
-  // The distinct experts in index order, by one thread (at most experts x batch x top_k steps).
-  if (threadIdx.x == 0) {
-    int p = 0;
-    for (int e = 0; e < E; ++e) {
-      bool chosen = false;
-      for (int i = 0; i < P.batch * K && !chosen; ++i) chosen = P.route_e[i] == e;
-      P.expert_position[e] = chosen ? p : -1;
-      if (chosen) P.position_expert[p++] = e;
+  for (int e0 = 0; e0 < E; e0 += blockDim.x) {
+    const int e = e0 + int(threadIdx.x);
+    bool mine = false;
+    if (e < E)
+      for (int i = 0; i < n && !mine; ++i) mine = chosen[i] == e;
+    const unsigned votes = __ballot_sync(0xffffffffu, mine);
+    if (lane == 0) warp_count[warp] = __popc(votes);
+    __syncthreads();
+    int at = base + __popc(votes & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w) at += warp_count[w];
+    if (e < E) {
+      P.expert_position[e] = mine ? at : -1;
+      if (mine) P.position_expert[at] = e;
     }
-    for (; p < P.positions; ++p) P.position_expert[p] = -1;
+    __syncthreads();
+    if (threadIdx.x == 0)
+      for (int w = 0; w < warps; ++w) base += warp_count[w];
+    __syncthreads();
   }
+  for (int p = base + int(threadIdx.x); p < P.positions; p += blockDim.x) P.position_expert[p] = -1;
 }
 
 template <int B>
@@ -37,32 +56,47 @@ __device__ void expert_gate_up(const PProgram& P, const PInstr& in) {
   const int e = P.position_expert[in.c];
   if (e < 0) return;
   const DMoe& m = P.layers[in.layer].moe;
-  float* xn = block_xn(P);
-  norm_rows(P, P.layers[in.layer].ffn_norm, xn);
   const DLinear& G = m.gate[e - m.first_expert];
   const DLinear& U = m.up[e - m.first_expert];
+  if (threadIdx.x == 0) {
+    bulk_prefetch_rows(G, in.a, in.b);
+    bulk_prefetch_rows(U, in.a, in.b);
+  }
+  float* xn = block_xn(P);
+  norm_rows(P, P.layers[in.layer].ffn_norm, xn);
   float* mid = P.expert_mid;
   const int I = P.expert_rows, Pn = P.positions, p = in.c;
-  tile_gated_rows<B>(G, U, in.a, in.b, xn, P.hidden, P.batch,
-                     [&](int row, int b, float v) { mid[(size_t(b) * Pn + p) * I + row] = v; });
+  tile_gated_rows<B, false>(G, U, in.a, in.b, xn, P.hidden, P.batch,
+                            [&](int row, int b, float v) { mid[(size_t(b) * Pn + p) * I + row] = v; });
 }
 
 template <int B>
-__device__ void shared_gate_up(const PProgram& P, const PInstr& in) {
+__device__ void shared_gate_up(const PProgram& P, const PInstr& in, const uint8_t* stage) {
   const DMoe& m = P.layers[in.layer].moe;
   float* xn = block_xn(P);
   norm_rows(P, P.layers[in.layer].ffn_norm, xn);
   const int S = P.shared_rows;
-  tile_gated_rows<B>(m.shared_gate, m.shared_up, in.a, in.b, xn, P.hidden, P.batch,
-                     [&](int row, int b, float v) { P.shared_mid[size_t(b) * S + row] = v; });
+  uint32_t at = 0;
+  product_gated_rows<B>(m.shared_gate, m.shared_up, in.a, in.b, xn, P.hidden, P.batch, stage, &at,
+                        [&](int row, int b, float v) { P.shared_mid[size_t(b) * S + row] = v; });
 }
 
 // Rows [a, b) of x += sum over the token's experts (index order) of weight * down(mid) + shared
-// down(shared mid). A warp owns its rows throughout, so it adds them up without a barrier.
-__device__ inline void expert_down(const PProgram& P, const PInstr& in) {
+// down(shared mid). The warps take (expert, 4 rows) items, so each lane has 4 rows' loads in
+// flight and the experts' rows load side by side; the products meet in shared memory, where a
+// thread per row adds them in the CPU's order. smem: kDownRows x (top_k + 1) floats.
+constexpr int kDownRows = 64;
+
+__device__ inline void expert_down(const PProgram& P, const PInstr& in, float* smem) {
   const DMoe& m = P.layers[in.layer].moe;
   const int K = P.top_k, I = P.expert_rows, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  constexpr int warps = kPersistentThreads / 32;
+  constexpr int warps = kPersistentThreads / 32, R = 4;
+  for (int p = threadIdx.x; p < P.positions; p += blockDim.x) {
+    const int e = P.position_expert[p];
+    if (e >= 0) bulk_prefetch_rows(m.down[e - m.first_expert], in.a, in.b);
+  }
+  const int J = K + (m.has_shared ? 1 : 0);  // products per row: the experts, then the shared experts
+  float* part = smem;                        // [kDownRows][J]
   for (int b = 0; b < P.batch; ++b) {
     // The token's experts in index order (top_k is at most 32).
     int order[32];
@@ -73,24 +107,35 @@ __device__ inline void expert_down(const PProgram& P, const PInstr& in) {
         order[i] = order[i - 1];
         order[i - 1] = t;
       }
-    for (int row = in.a + warp; row < in.b; row += warps) {
-      float total = 0.0f;
-      for (int j = 0; j < K; ++j) {
-        const int e = P.route_e[b * K + order[j]];
-        const float w = P.route_w[b * K + order[j]];
-        const float* mid = P.expert_mid + (size_t(b) * P.positions + P.expert_position[e]) * I;
-        float acc[1] = {0.0f};
-        row_dot_partial<1>(m.down[e - m.first_expert], row, mid, I, lane, acc);
-        for (int o = 16; o > 0; o >>= 1) acc[0] += __shfl_xor_sync(0xffffffffu, acc[0], o);
-        total += w * acc[0];
+    for (int r0 = in.a; r0 < in.b; r0 += kDownRows) {
+      const int n = min(kDownRows, in.b - r0), groups = (n + R - 1) / R;
+      for (int it = warp; it < groups * J; it += warps) {
+        const int j = it / groups, row = r0 + (it % groups) * R;
+        float acc[R][1];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
+        float w = 1.0f;
+        if (j < K) {
+          const int e = P.route_e[b * K + order[j]];
+          w = P.route_w[b * K + order[j]];
+          rows_dot_partial<R, 1, false>(m.down[e - m.first_expert], row,
+                                        P.expert_mid + (size_t(b) * P.positions + P.expert_position[e]) * I, I, lane, acc);
+        } else {
+          rows_dot_partial<R, 1, false>(m.shared_down, row, P.shared_mid + size_t(b) * P.shared_rows, P.shared_rows, lane, acc);
+        }
+        warp_sum<R, 1>(acc);
+        if (lane == 0)
+          #pragma unroll
+          for (int r = 0; r < R; ++r)
+            if (row + r < r0 + n) part[(row + r - r0) * J + j] = j < K ? w * acc[r][0] : acc[r][0];
       }
-      if (m.has_shared) {
-        float acc[1] = {0.0f};
-        row_dot_partial<1>(m.shared_down, row, P.shared_mid + size_t(b) * P.shared_rows, P.shared_rows, lane, acc);
-        for (int o = 16; o > 0; o >>= 1) acc[0] += __shfl_xor_sync(0xffffffffu, acc[0], o);
-        total += acc[0];
+      __syncthreads();
+      for (int r = threadIdx.x; r < n; r += blockDim.x) {
+        float total = 0.0f;
+        for (int j = 0; j < J; ++j) total += part[r * J + j];
+        P.x[size_t(b) * P.hidden + r0 + r] += total;
       }
-      if (lane == 0) P.x[size_t(b) * P.hidden + row] += total;
+      __syncthreads();  // part is rewritten next
     }
   }
 }

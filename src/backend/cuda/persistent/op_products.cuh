@@ -24,7 +24,7 @@ __device__ inline void embed_rows(const PProgram& P) {
 
 // Rows [a, b) of q | k | v: a tile never straddles a head, so it lies in one of the three.
 template <int B>
-__device__ void norm_qkv(const PProgram& P, const PInstr& in) {
+__device__ void norm_qkv(const PProgram& P, const PInstr& in, const uint8_t* stage) {
   const DLayer& L = P.layers[in.layer];
   float* xn = block_xn(P);
   norm_rows(P, L.attn_norm, xn);
@@ -33,46 +33,51 @@ __device__ void norm_qkv(const PProgram& P, const PInstr& in) {
   const int base = in.a < qr ? 0 : in.a < qr + kr ? qr : qr + kr;
   float* qkv = P.qkv;
   const int stride = P.qkv_rows;
-  tile_rows<B>(W, in.a - base, in.b - base, xn, P.hidden, P.batch,
-               [&](int row, int b, float v) { qkv[size_t(b) * stride + base + row] = v; });
+  uint32_t at = 0;
+  product_rows<B>(W, in.a - base, in.b - base, xn, P.hidden, P.batch, stage, &at,
+                  [&](int row, int b, float v) { qkv[size_t(b) * stride + base + row] = v; });
 }
 
 template <int B>
-__device__ void o_proj(const PProgram& P, const PInstr& in) {
+__device__ void o_proj(const PProgram& P, const PInstr& in, const uint8_t* stage) {
   const int qr = P.heads * P.head_dim;
-  tile_rows<B>(P.layers[in.layer].o, in.a, in.b, P.att, qr, P.batch,
-               [&](int row, int b, float v) { P.x[size_t(b) * P.hidden + row] += v; });
+  uint32_t at = 0;
+  product_rows<B>(P.layers[in.layer].o, in.a, in.b, P.att, qr, P.batch, stage, &at,
+                  [&](int row, int b, float v) { P.x[size_t(b) * P.hidden + row] += v; });
 }
 
 template <int B>
-__device__ void norm_router(const PProgram& P, const PInstr& in) {
+__device__ void norm_router(const PProgram& P, const PInstr& in, const uint8_t* stage) {
   const DLayer& L = P.layers[in.layer];
   float* xn = block_xn(P);
   norm_rows(P, L.ffn_norm, xn);
-  tile_rows<B>(L.moe.router.w, in.a, in.b, xn, P.hidden, P.batch,
-               [&](int row, int b, float v) { P.router[size_t(b) * P.experts + row] = v; });
+  uint32_t at = 0;
+  product_rows<B>(L.moe.router.w, in.a, in.b, xn, P.hidden, P.batch, stage, &at,
+                  [&](int row, int b, float v) { P.router[size_t(b) * P.experts + row] = v; });
 }
 
 template <int B>
-__device__ void mlp_gate_up(const PProgram& P, const PInstr& in) {
+__device__ void mlp_gate_up(const PProgram& P, const PInstr& in, const uint8_t* stage) {
   const DLayer& L = P.layers[in.layer];
   float* xn = block_xn(P);
   norm_rows(P, L.ffn_norm, xn);
-  tile_gated_rows<B>(L.gate, L.up, in.a, in.b, xn, P.hidden, P.batch,
-                     [&](int row, int b, float v) { P.mid[size_t(b) * P.mlp_rows + row] = v; });
+  uint32_t at = 0;
+  product_gated_rows<B>(L.gate, L.up, in.a, in.b, xn, P.hidden, P.batch, stage, &at,
+                        [&](int row, int b, float v) { P.mid[size_t(b) * P.mlp_rows + row] = v; });
 }
 
 template <int B>
-__device__ void mlp_down(const PProgram& P, const PInstr& in) {
-  tile_rows<B>(P.layers[in.layer].down, in.a, in.b, P.mid, P.mlp_rows, P.batch,
-               [&](int row, int b, float v) { P.x[size_t(b) * P.hidden + row] += v; });
+__device__ void mlp_down(const PProgram& P, const PInstr& in, const uint8_t* stage) {
+  uint32_t at = 0;
+  product_rows<B>(P.layers[in.layer].down, in.a, in.b, P.mid, P.mlp_rows, P.batch, stage, &at,
+                  [&](int row, int b, float v) { P.x[size_t(b) * P.hidden + row] += v; });
 }
 
 template <int B>
 __device__ void head_logits(const PProgram& P, const PInstr& in) {
   float* xn = block_xn(P);
   norm_rows(P, P.final_norm, xn);
-  tile_rows<B>(P.lm_head, in.a, in.b, xn, P.hidden, P.batch,
+  tile_rows<B, false>(P.lm_head, in.a, in.b, xn, P.hidden, P.batch,
                [&](int row, int b, float v) { P.logits[size_t(b) * P.vocab + row] = v; });
 }
 

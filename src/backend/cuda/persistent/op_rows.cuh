@@ -5,26 +5,47 @@
 #pragma once
 #include "backend/cuda/dequant.cuh"
 #include "backend/cuda/persistent/program.h"
+#include "backend/cuda/persistent/weights.cuh"
 #include "backend/cuda/reduce.cuh"
 
 namespace kestrel::cuda {
 
 static_assert(kPersistentThreads == kRowNormThreads, "a persistent block normalizes a row as block_rms_norm does");
 
-// The block's scratch of normalized rows [8, hidden].
-__device__ __forceinline__ float* block_xn(const PProgram& P) { return P.xn + size_t(blockIdx.x) * 8 * P.hidden; }
+// The persistent kernel's dynamic shared memory: the ops' scratch, the normalized rows when they
+// fit, the weight stage (PersistentStep lays it out).
+extern __shared__ __align__(128) float persistent_smem[];
 
-// xn[b] = RMSNorm(x[b]) * w for the batch's rows; ends with a barrier.
+// The block's normalized rows [B, hidden]: in shared memory when they fit there (the products
+// read them once per weight group: an L2 round trip each from global memory), else its own rows
+// of P.xn [8, hidden].
+__device__ __forceinline__ float* block_xn(const PProgram& P) {
+  if (P.xn_offset != kNotStaged) return persistent_smem + P.xn_offset / 4;
+  return P.xn + size_t(blockIdx.x) * 8 * P.hidden;
+}
+
+// The norm weights whose rows the block's scratch holds in this step (null at its start). A
+// norm's weights belong to one point of the step (layer l's attention or FFN input, the final
+// norm), and every tile that normalizes with them runs while the residual rows are the same
+// (they wait for all its writers, and its next writers wait for them), so a block that holds
+// them need not normalize again.
+__shared__ const float* xn_of;
+
+// xn[b] = RMSNorm(x[b]) * w for the batch's rows, unless the scratch holds them already; ends
+// with a barrier.
 __device__ __forceinline__ void norm_rows(const PProgram& P, const float* w, float* xn) {
+  if (xn_of == w) return;
   __shared__ float red[32];
   float4 g[kRowNormPer];
   row_norm_weights(w, P.hidden, g);
   for (int b = 0; b < P.batch; ++b) block_rms_norm(P.x + size_t(b) * P.hidden, g, P.hidden, P.eps, xn + size_t(b) * P.hidden, red);
+  if (threadIdx.x == 0) xn_of = w;
+  __syncthreads();
 }
 
 // For rows [r0, r1) of W: out(row, b, value + bias) for every token b < batch, by the first lane
 // of the row's warp. x: B rows of W.in values, ldx apart (rows past the batch are read, unused).
-template <int B, class Out>
+template <int B, bool Generic, class Out>
 __device__ __forceinline__ void tile_rows(const DLinear& W, int r0, int r1, const float* x, int ldx, int batch, Out out) {
   constexpr int R = rows_per_warp<B>();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = kPersistentThreads / 32;
@@ -34,7 +55,7 @@ __device__ __forceinline__ void tile_rows(const DLinear& W, int r0, int r1, cons
     for (int r = 0; r < R; ++r)
       #pragma unroll
       for (int b = 0; b < B; ++b) acc[r][b] = 0.0f;
-    rows_dot_partial<R, B>(W, row, x, ldx, lane, acc);
+    rows_dot_partial<R, B, Generic>(W, row, x, ldx, lane, acc);
     warp_sum<R, B>(acc);
     if (lane == 0)
       #pragma unroll
@@ -49,7 +70,7 @@ __device__ __forceinline__ void tile_rows(const DLinear& W, int r0, int r1, cons
 }
 
 // The same for gate and up rows of a gated FFN: out(row, b, silu(gate) * up).
-template <int B, class Out>
+template <int B, bool Generic, class Out>
 __device__ __forceinline__ void tile_gated_rows(const DLinear& G, const DLinear& U, int r0, int r1, const float* x, int ldx,
                                                 int batch, Out out) {
   constexpr int R = rows_per_warp<B>();
@@ -60,7 +81,7 @@ __device__ __forceinline__ void tile_gated_rows(const DLinear& G, const DLinear&
     for (int r = 0; r < R; ++r)
       #pragma unroll
       for (int b = 0; b < B; ++b) g[r][b] = u[r][b] = 0.0f;
-    gated_rows_dot_partial<R, B>(G, U, row, x, ldx, lane, g, u, 0, 32);
+    gated_rows_dot_partial<R, B, Generic>(G, U, row, x, ldx, lane, g, u, 0, 32);
     warp_sum<R, B>(g);
     warp_sum<R, B>(u);
     if (lane == 0)
@@ -74,6 +95,32 @@ __device__ __forceinline__ void tile_gated_rows(const DLinear& G, const DLinear&
             out(row + r, b, gv / (1.0f + expf(-gv)) * uv);
           }
       }
+  }
+}
+
+// Rows [r0, r1) of W as tile_rows computes them, read from the stage when the instruction is
+// staged (stage not null; *at: where the op's next matrix sits in it, weights.cuh).
+template <int B, class Out>
+__device__ __forceinline__ void product_rows(const DLinear& W, int r0, int r1, const float* x, int ldx, int batch,
+                                             const uint8_t* stage, uint32_t* at, Out out) {
+  if (stage) {
+    const StagedRows s = stage_rows(W, r0, r1, at);
+    tile_rows<B, true>(staged(W, r0, r1, stage, s), r0, r1, x, ldx, batch, out);
+  } else {
+    tile_rows<B, false>(W, r0, r1, x, ldx, batch, out);
+  }
+}
+
+// The same for gate and up rows (staged gate first, then up).
+template <int B, class Out>
+__device__ __forceinline__ void product_gated_rows(const DLinear& G, const DLinear& U, int r0, int r1, const float* x,
+                                                   int ldx, int batch, const uint8_t* stage, uint32_t* at, Out out) {
+  if (stage) {
+    const StagedRows sg = stage_rows(G, r0, r1, at);
+    const StagedRows su = stage_rows(U, r0, r1, at);
+    tile_gated_rows<B, true>(staged(G, r0, r1, stage, sg), staged(U, r0, r1, stage, su), r0, r1, x, ldx, batch, out);
+  } else {
+    tile_gated_rows<B, false>(G, U, r0, r1, x, ldx, batch, out);
   }
 }
 

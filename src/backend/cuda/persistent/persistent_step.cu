@@ -12,6 +12,7 @@
 #include "backend/cuda/persistent/op_attention.cuh"
 #include "backend/cuda/persistent/op_moe.cuh"
 #include "backend/cuda/persistent/op_products.cuh"
+#include "backend/cuda/persistent/weights.cuh"
 #include "backend/cuda/persistent/program.h"
 #include "plan/step_plan_check.h"
 
@@ -20,22 +21,23 @@ namespace {
 
 static_assert(std::is_trivially_copyable_v<DLayer>, "layers are copied to the device as they are");
 
+// stage: the instruction's weights in shared memory, or null (weights.cuh).
 template <int B, class T>
-__device__ void run_instr(const PProgram& P, const PInstr& in, float* smem) {
+__device__ void run_instr(const PProgram& P, const PInstr& in, float* smem, const uint8_t* stage) {
   switch (StepOp(in.op)) {
     case StepOp::Embed: return embed_rows(P);
-    case StepOp::AttnNormQkv: return norm_qkv<B>(P, in);
+    case StepOp::AttnNormQkv: return norm_qkv<B>(P, in, stage);
     case StepOp::QkRopeStore: return qk_rope_store<T>(P, in, smem);
     case StepOp::AttnSplit: return attn_split<T>(P, in, smem);
-    case StepOp::AttnCombine: return attn_combine(P, in);
-    case StepOp::OProj: return o_proj<B>(P, in);
-    case StepOp::FfnNormRouter: return norm_router<B>(P, in);
+    case StepOp::AttnCombine: return attn_combine(P, in, smem);
+    case StepOp::OProj: return o_proj<B>(P, in, stage);
+    case StepOp::FfnNormRouter: return norm_router<B>(P, in, stage);
     case StepOp::Route: return route_tokens(P, in, smem);
     case StepOp::ExpertGateUp: return expert_gate_up<B>(P, in);
-    case StepOp::SharedGateUp: return shared_gate_up<B>(P, in);
-    case StepOp::ExpertDown: return expert_down(P, in);
-    case StepOp::MlpGateUp: return mlp_gate_up<B>(P, in);
-    case StepOp::MlpDown: return mlp_down<B>(P, in);
+    case StepOp::SharedGateUp: return shared_gate_up<B>(P, in, stage);
+    case StepOp::ExpertDown: return expert_down(P, in, smem);
+    case StepOp::MlpGateUp: return mlp_gate_up<B>(P, in, stage);
+    case StepOp::MlpDown: return mlp_down<B>(P, in, stage);
     case StepOp::HeadNormLogits: return head_logits<B>(P, in);
     default: return;  // MLA's ops: refused when the plan is uploaded
   }
@@ -45,34 +47,55 @@ __device__ void run_instr(const PProgram& P, const PInstr& in, float* smem) {
 // count); T: the KV cache's values.
 template <int B, class T>
 __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_step_kernel(PProgram P) {
-  extern __shared__ float smem[];
+  float* const smem = persistent_smem;  // the ops' scratch first (op_rows.cuh)
+  uint8_t* const stage = reinterpret_cast<uint8_t*>(smem) + P.stage_offset;
   __shared__ uint32_t round;
-  __shared__ int failed;
+  __shared__ int failed, staged_now;
+  __shared__ uint64_t stage_bar;
+  uint32_t parity = 0;  // of stage_bar's phase the next staged instruction completes
   if (threadIdx.x == 0) {
     round = *P.epoch + 1;
     failed = 0;
+    xn_of = nullptr;
+    mbar_init(&stage_bar);
   }
   __syncthreads();
-  const int end = P.queue_begin[blockIdx.x + 1];
-  for (int k = P.queue_begin[blockIdx.x]; k < end; ++k) {
+  const int begin = P.queue_begin[blockIdx.x], end = P.queue_begin[blockIdx.x + 1];
+  if (threadIdx.x == 0)
+    for (int k = begin; k < end && k < begin + kPrefetchAhead; ++k) prefetch_instr(P, P.queue[k]);
+  for (int k = begin; k < end; ++k) {
     const int32_t i = P.queue[k];
     const PInstr in = P.instrs[i];
+    long long t0 = 0, t1 = 0;
+    if (P.trace && threadIdx.x == 0) t0 = clock64();
     if (threadIdx.x == 0) {
+      staged_now = stage_instr(P, i, stage, &stage_bar);  // the weights first: they wait on nothing
+      if (k + kPrefetchAhead < end) prefetch_instr(P, P.queue[k + kPrefetchAhead]);
       for (int w = 0; w < in.waits; ++w)
         if (!wait_counter(P.counters + in.wait[w], round * uint32_t(P.producers[in.wait[w]]), P.timeout_ns)) {
           atomicCAS(P.error, 0, i + 1);
           failed = 1;
           break;
         }
-      __threadfence();  // what the producers wrote, for every thread of the block after the barrier
     }
+    // Thread 0's acquire, then the barrier: what the producers wrote is visible to every thread
+    // of the block (the pattern of CUTLASS's semaphore, without a fence of its own).
     __syncthreads();
+    if (staged_now) {  // also before giving up: the copies land in this block's shared memory
+      mbar_wait(&stage_bar, parity);
+      parity ^= 1u;
+    }
     if (failed) return;
-    run_instr<B, T>(P, in, smem);
-    __syncthreads();
+    if (P.trace && threadIdx.x == 0) t1 = clock64();
+    run_instr<B, T>(P, in, smem, staged_now ? stage : nullptr);
+    __syncthreads();  // every thread's writes, then thread 0's release makes them visible with its count
     if (threadIdx.x == 0) {
-      __threadfence();
       add_release(P.counters + in.signal, 1u);
+      if (P.trace) {
+        P.trace[3 * size_t(i)] = t0;
+        P.trace[3 * size_t(i) + 1] = t1 - t0;
+        P.trace[3 * size_t(i) + 2] = clock64() - t1;
+      }
     }
   }
   if (threadIdx.x == 0) {
@@ -129,6 +152,7 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
   if (int(p.queues.size()) > sm_count())
     fail("persistent step: the plan has ", p.queues.size(), " queues; this GPU has ", sm_count(), " SMs");
   if (p.hidden % 4 != 0 || p.hidden > kRowNormMax) fail("persistent step: hidden size ", p.hidden, " (a multiple of 4 up to ", kRowNormMax, ")");
+  if (p.head_dim > kMaxHeadDim) fail("persistent step: heads of ", p.head_dim, " dimensions (at most ", kMaxHeadDim, ")");
   if (c.experts_per_token > 32) fail("persistent step: at most 32 experts per token, not ", c.experts_per_token);
   std::vector<void*>& owned = d_->owned;
   PProgram& P = d_->program;
@@ -156,10 +180,95 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
   }
   std::vector<int32_t> producers;
   for (const StepCounter& k : p.counters) producers.push_back(k.producers);
+  // The ops' scratch in shared memory: the largest of their needs; the weight stage after it.
+  const size_t H = size_t(p.hidden), G = size_t(p.heads / p.kv_heads), hd = size_t(p.head_dim);
+  const int chunk_max = (kv.max_context() + int(p.splits) - 1) / int(p.splits);
+  const size_t scratch =
+      (4 * std::max({size_t(kPersistentThreads / 32) * hd, G * hd + (G + 1) * size_t(chunk_max),
+                     size_t(8) * size_t(std::max<int64_t>(c.num_experts, 1) + 64), G * size_t(p.splits),
+                     size_t(kDownRows) * size_t(c.experts_per_token + 1)}) + 127) & ~size_t(127);
+  constexpr size_t kSmemMax = 227 << 10;
+  if (scratch > kSmemMax - (16 << 10))
+    fail("persistent step: ", scratch, " bytes of shared memory (context ", kv.max_context(), " over ", p.splits, " splits)");
+  const int Bt = B == 1 ? 1 : B == 2 ? 2 : B <= 4 ? 4 : 8;  // the products' rows of x
+  const size_t xn_bytes = size_t(Bt) * H * 4;
+  size_t used = scratch;
+  if (xn_bytes <= (48u << 10)) {
+    P.xn_offset = uint32_t(used);
+    used += (xn_bytes + 127) & ~size_t(127);
+  }
+  const uint32_t stage_bytes = uint32_t(std::min<size_t>(kStageBytes, kSmemMax - used - 1024));
+  d_->smem = used + stage_bytes;
+  P.stage_offset = uint32_t(used);
+
+  // Each instruction's fixed weight rows (the experts' are known only once the route ran):
+  // staged when they fit the stage, else prefetched into the L2.
+  std::vector<PRange> ranges;
+  std::vector<int32_t> range_begin{0};
+  int64_t staged_instrs = 0;
+  {
+    constexpr uint64_t kMaxPrefetch = 128 << 10;  // L2 bytes per range (the LM head's tiles are larger)
+    const std::vector<DLayer>& L = model.layers();
+    bool stage = false;  // this instruction's op reads the stage
+    uint32_t at = 0;     // its stage's bytes so far
+    auto rows = [&](const DLinear& W, int64_t r0, int64_t r1) {
+      if (!W.data || r1 <= r0) return;
+      const uint64_t rb = row_bytes(W);
+      const StagedRows st = stage_rows(W, int(r0), int(r1), &at);
+      ranges.push_back({W.data + uint64_t(r0) * rb, uint32_t(std::min<uint64_t>(uint64_t(r1 - r0) * rb, UINT32_MAX)),
+                        st.codes});
+      if (W.format == DFormat::NVFP4)
+        ranges.push_back({W.scales + uint64_t(r0) * uint64_t(W.in / 16), uint32_t(uint64_t(r1 - r0) * uint64_t(W.in / 16)),
+                          st.scales});
+    };
+    const int64_t qr = p.heads * p.head_dim, kr = p.kv_heads * p.head_dim;
+    for (const StepInstr& in : p.instrs) {
+      const DLayer* l = in.layer >= 0 ? &L[size_t(in.layer)] : nullptr;
+      const size_t first = ranges.size();
+      at = 0;
+      stage = in.op == StepOp::AttnNormQkv || in.op == StepOp::OProj || in.op == StepOp::FfnNormRouter ||
+              in.op == StepOp::SharedGateUp || in.op == StepOp::MlpGateUp || in.op == StepOp::MlpDown;
+      switch (in.op) {
+        case StepOp::AttnNormQkv:
+          if (in.a < qr) rows(l->q, in.a, in.b);
+          else if (in.a < qr + kr) rows(l->k, in.a - qr, in.b - qr);
+          else rows(l->v, in.a - qr - kr, in.b - qr - kr);
+          break;
+        case StepOp::OProj: rows(l->o, in.a, in.b); break;
+        case StepOp::FfnNormRouter: rows(l->moe.router.w, in.a, in.b); break;
+        case StepOp::SharedGateUp:
+          rows(l->moe.shared_gate, in.a, in.b);
+          rows(l->moe.shared_up, in.a, in.b);
+          break;
+        case StepOp::ExpertDown:
+          if (l->moe.has_shared) rows(l->moe.shared_down, in.a, in.b);
+          break;
+        case StepOp::MlpGateUp:
+          rows(l->gate, in.a, in.b);
+          rows(l->up, in.a, in.b);
+          break;
+        case StepOp::MlpDown: rows(l->down, in.a, in.b); break;
+        case StepOp::HeadNormLogits: rows(model.lm_head(), in.a, in.b); break;
+        default: break;
+      }
+      // Staged: every range 16-byte aligned in whole units, all of them within the stage.
+      for (size_t r = first; r < ranges.size(); ++r)
+        stage = stage && reinterpret_cast<uintptr_t>(ranges[r].p) % 16 == 0 && ranges[r].bytes % 16 == 0 &&
+                ranges[r].stage + ranges[r].bytes <= stage_bytes;
+      stage = stage && ranges.size() > first;
+      staged_instrs += stage;
+      for (size_t r = first; r < ranges.size(); ++r)
+        if (!stage) ranges[r].stage = kNotStaged, ranges[r].bytes = uint32_t(std::min<uint64_t>(ranges[r].bytes, kMaxPrefetch));
+      range_begin.push_back(int32_t(ranges.size()));
+    }
+  }
+  staged_instrs_ = staged_instrs;
   P.instrs = device_copy(instrs, owned);
   P.queue = device_copy(queue, owned);
   P.queue_begin = device_copy(begin, owned);
   P.producers = device_copy(producers, owned);
+  P.ranges = device_copy(ranges, owned);
+  P.range_begin = device_copy(range_begin, owned);
   P.counters = device_zeros<uint32_t>(producers.size(), owned);
   P.epoch = device_zeros<uint32_t>(1, owned);
   P.blocks_done = device_zeros<uint32_t>(1, owned);
@@ -199,7 +308,6 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
   P.top_k = int(c.experts_per_token);
 
   // Buffers: inputs of products hold 8 rows (the products read the B rows of their template).
-  const size_t H = size_t(p.hidden), G = size_t(p.heads / p.kv_heads), hd = size_t(p.head_dim);
   P.tokens = kv.tokens();
   P.pos = kv.positions();
   P.x = device_zeros<float>(8 * H, owned);
@@ -218,12 +326,6 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
   P.xn = device_zeros<float>(size_t(d_->blocks) * 8 * H, owned);
   logits_ = P.logits;
 
-  // Shared memory: the largest of the ops' needs.
-  d_->smem = 4 * std::max({2 * hd, G * hd + G * size_t(P.chunk_max), size_t(8) * size_t(P.experts + 64)});
-  if (d_->smem > 200u * 1024)
-    fail("persistent step: ", d_->smem, " bytes of shared memory (context ", kv.max_context(), " over ", P.splits,
-         " splits)");
-  const int Bt = B == 1 ? 1 : B == 2 ? 2 : B <= 4 ? 4 : 8;
   auto pick = [&](auto bt) {
     constexpr int R = decltype(bt)::value;
     d_->kernel = P.kv_bf16 ? persistent_step_kernel<R, __nv_bfloat16> : persistent_step_kernel<R, float>;
@@ -254,6 +356,31 @@ void PersistentStep::run(cudaStream_t s) {
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, d_->kernel, d_->program));
+}
+
+std::vector<PersistentStep::OpTime> PersistentStep::trace(cudaStream_t s) {
+  const size_t n = plan_.instrs.size();
+  long long* buf = nullptr;
+  KESTREL_CUDA_CHECK(cudaMalloc(&buf, n * 3 * sizeof(long long)));
+  KESTREL_CUDA_CHECK(cudaMemsetAsync(buf, 0, n * 3 * sizeof(long long), s));
+  d_->program.trace = buf;
+  run(s);
+  d_->program.trace = nullptr;
+  std::vector<long long> t(n * 3);
+  KESTREL_CUDA_CHECK(cudaMemcpyAsync(t.data(), buf, t.size() * sizeof(long long), cudaMemcpyDeviceToHost, s));
+  KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
+  KESTREL_CUDA_CHECK(cudaFree(buf));
+  check();
+  std::vector<OpTime> out(kStepOpCount);
+  for (int op = 0; op < kStepOpCount; ++op) out[size_t(op)].op = StepOp(op);
+  for (size_t i = 0; i < n; ++i) {
+    OpTime& o = out[size_t(plan_.instrs[i].op)];
+    ++o.tiles;
+    o.wait_cycles += double(t[3 * i + 1]);
+    o.run_cycles += double(t[3 * i + 2]);
+  }
+  std::erase_if(out, [](const OpTime& o) { return o.tiles == 0; });
+  return out;
 }
 
 void PersistentStep::check() const {

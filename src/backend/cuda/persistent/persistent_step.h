@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <memory>
+#include <vector>
 
 #include "backend/cuda/decoder.h"
 #include "backend/cuda/device_model.h"
@@ -32,8 +33,17 @@ class PersistentStep {
   // counters are then out of step: reset() before running again).
   void check() const;
   void reset();
+  // One step with every instruction timed on its SM's clock, summed per op (a step of its own:
+  // it advances the counters as run() does).
+  struct OpTime {
+    StepOp op{};
+    int tiles = 0;
+    double wait_cycles = 0, run_cycles = 0;  // summed over the op's instructions
+  };
+  std::vector<OpTime> trace(cudaStream_t s);
   const float* logits() const { return logits_; }  // [batch, vocab], device memory
   const StepPlan& plan() const { return plan_; }
+  int64_t staged_instructions() const { return staged_instrs_; }  // whose weights come through the stage
 
   struct Device;
 
@@ -41,6 +51,7 @@ class PersistentStep {
   StepPlan plan_;
   std::unique_ptr<Device> d_;
   const float* logits_ = nullptr;
+  int64_t staged_instrs_ = 0;
 };
 
 }  // namespace kestrel::cuda

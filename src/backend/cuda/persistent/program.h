@@ -12,6 +12,7 @@ namespace kestrel::cuda {
 
 constexpr int kMaxWaits = 3;          // waits per instruction (the plans need at most 2)
 constexpr int kPersistentThreads = 256;
+constexpr int kMaxHeadDim = 256;      // GQA heads the attention ops take
 
 struct PInstr {
   uint8_t op;      // StepOp
@@ -23,17 +24,36 @@ struct PInstr {
 };
 static_assert(sizeof(PInstr) == 32, "an instruction is 32 bytes");
 
+// A range of weight bytes an instruction reads, known before the step (weights.cuh): copied to
+// `stage` bytes into the block's stage, or (kNotStaged) prefetched into the L2.
+constexpr uint32_t kNotStaged = 0xffffffffu;
+struct PRange {
+  const uint8_t* p;
+  uint32_t bytes;
+  uint32_t stage;
+};
+
+constexpr int kPrefetchAhead = 2;             // instructions of its queue a block asks the L2 for ahead
+constexpr uint32_t kStageBytes = 112 << 10;   // a block's stage for one instruction's weights
+
 struct PProgram {
   // The queues: block s runs instrs[queue[k]] for k in [queue_begin[s], queue_begin[s + 1]).
   const PInstr* instrs = nullptr;
   const int32_t* queue = nullptr;
   const int32_t* queue_begin = nullptr;
   const int32_t* producers = nullptr;  // per counter: tiles that advance it per step
+  const PRange* ranges = nullptr;      // the instructions' fixed weight ranges: instruction i's are
+  const int32_t* range_begin = nullptr;  // ranges[range_begin[i] .. range_begin[i + 1])
   uint32_t* counters = nullptr;        // count up across steps, never reset
   uint32_t* epoch = nullptr;           // steps run so far; the last block of a step advances it
   uint32_t* blocks_done = nullptr;     // blocks finished in this step (back to 0 by the last)
   int32_t* error = nullptr;            // 1 + the first instruction that timed out waiting, 0 if none
   long long timeout_ns = 2000000000;
+  // When set, per instruction: the SM clock when its waits began, the cycles it waited and the
+  // cycles it ran (PersistentStep::trace).
+  long long* trace = nullptr;
+  uint32_t stage_offset = 0;           // of the weight stage in dynamic shared memory
+  uint32_t xn_offset = kNotStaged;     // of the normalized rows there, or kNotStaged: in xn
 
   // The model.
   const DLayer* layers = nullptr;      // [layers], device copies of the descriptors
@@ -55,7 +75,7 @@ struct PProgram {
   int32_t* position_expert = nullptr;  // [positions]: the p-th distinct expert, or -1
   int32_t* expert_position = nullptr;  // [experts]: its position, or -1
   float *expert_mid = nullptr, *shared_mid = nullptr, *mid = nullptr, *logits = nullptr;
-  float* xn = nullptr;              // per block: [kMaxBatchRows, hidden] normalized rows
+  float* xn = nullptr;              // per block: [8, hidden] normalized rows (unless in shared memory)
 };
 
 }  // namespace kestrel::cuda

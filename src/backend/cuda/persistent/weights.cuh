@@ -1,0 +1,119 @@
+// How an instruction's weights reach it before its inputs do. Rows of a matrix are contiguous,
+// so a tile's rows are one range of codes (or values) and one of scales, known before the step
+// for every product but the experts'. A block asks for them as soon as it reaches the
+// instruction, before it waits on the instruction's inputs:
+//  - staged (the tile's ranges fit kStageBytes and are 16-byte aligned): bulk copies into the
+//    block's shared-memory stage, completing on an mbarrier the block waits on after its
+//    counters; the products then read the stage;
+//  - otherwise (the LM head's large tiles): bulk prefetches into the L2, also for the
+//    instructions kPrefetchAhead ahead in the queue. Expert tiles learn their expert from the
+//    route and ask the L2 for their rows once their wait is over.
+#pragma once
+#include <cstdint>
+
+#include "backend/cuda/dlinear.h"
+#include "backend/cuda/persistent/program.h"
+
+namespace kestrel::cuda {
+
+__host__ __device__ inline uint64_t row_bytes(const DLinear& W) {
+  switch (W.format) {
+    case DFormat::F32: return uint64_t(W.in) * 4;
+    case DFormat::F16:
+    case DFormat::BF16: return uint64_t(W.in) * 2;
+    case DFormat::NVFP4: return uint64_t(W.in) / 2;
+  }
+  return 0;
+}
+__host__ __device__ inline uint32_t align16(uint64_t n) { return uint32_t((n + 15) & ~uint64_t(15)); }
+
+// Where rows [r0, r1) of W sit in a stage filled in order (the host lays it out, the ops find
+// their matrices with the same calls): codes at *at, then scales; *at moves past both.
+struct StagedRows {
+  uint32_t codes, scales;
+};
+__host__ __device__ inline StagedRows stage_rows(const DLinear& W, int r0, int r1, uint32_t* at) {
+  StagedRows s;
+  s.codes = *at;
+  *at += align16(uint64_t(r1 - r0) * row_bytes(W));
+  s.scales = *at;
+  if (W.format == DFormat::NVFP4) *at += align16(uint64_t(r1 - r0) * uint64_t(W.in / 16));
+  return s;
+}
+
+// W as the stage holds rows [r0, r1) of it: the same row numbers, read from shared memory (the
+// rows past r1 a warp's last group reads are clamped to r1 - 1, inside the stage).
+__device__ __forceinline__ DLinear staged(const DLinear& W, int r0, int r1, const uint8_t* stage, StagedRows s) {
+  DLinear v = W;
+  v.out = r1;
+  v.data = stage + s.codes - uint64_t(r0) * row_bytes(W);
+  if (W.format == DFormat::NVFP4) v.scales = stage + s.scales - uint64_t(r0) * uint64_t(W.in / 16);
+  return v;
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// By one thread: `bytes` in all are coming to the barrier's current phase.
+__device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+
+// [src, src + bytes) into shared memory at dst, completing on bar (16-byte aligned, whole units).
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
+// Until the barrier's phase `parity` completes.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+}
+
+// Asks the L2 for [p, p + bytes), from a 16-byte boundary, in whole 16-byte units (one thread).
+__device__ __forceinline__ void bulk_prefetch_l2(const void* p, uint32_t bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p), b = (a + bytes) & ~uintptr_t(15);
+  const uintptr_t s = a & ~uintptr_t(15);
+  if (b <= s) return;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(s), "r"(uint32_t(b - s)) : "memory");
+}
+
+// Rows [r0, r1) of W into the L2, by the calling thread.
+__device__ __forceinline__ void bulk_prefetch_rows(const DLinear& W, int r0, int r1) {
+  if (r1 <= r0) return;
+  const uint64_t rb = row_bytes(W);
+  bulk_prefetch_l2(W.data + uint64_t(r0) * rb, uint32_t(uint64_t(r1 - r0) * rb));
+  if (W.format == DFormat::NVFP4)
+    bulk_prefetch_l2(W.scales + uint64_t(r0) * (W.in / 16), uint32_t(r1 - r0) * uint32_t(W.in / 16));
+}
+
+// Instruction i's fixed ranges into the L2 (unstaged instructions; staged ones copy them).
+__device__ __forceinline__ void prefetch_instr(const PProgram& P, int32_t i) {
+  for (int r = P.range_begin[i]; r < P.range_begin[i + 1]; ++r) bulk_prefetch_l2(P.ranges[r].p, P.ranges[r].bytes);
+}
+
+// By one thread: instruction i's ranges into the stage when it is staged; true if so.
+__device__ __forceinline__ bool stage_instr(const PProgram& P, int32_t i, uint8_t* stage, uint64_t* bar) {
+  const int r0 = P.range_begin[i], r1 = P.range_begin[i + 1];
+  if (r0 == r1 || P.ranges[r0].stage == kNotStaged) return false;
+  uint32_t total = 0;
+  for (int r = r0; r < r1; ++r) total += P.ranges[r].bytes;
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stage's last reads before the copies' writes
+  mbar_expect(bar, total);
+  for (int r = r0; r < r1; ++r) bulk_copy(stage + P.ranges[r].stage, P.ranges[r].p, P.ranges[r].bytes, bar);
+  return true;
+}
+
+}  // namespace kestrel::cuda
