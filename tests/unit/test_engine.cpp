@@ -110,9 +110,13 @@ TEST_F(EngineTest, SameTokensAloneAndInABatch) {
 // the cache (at most all but the prompt's last token, whose logits the first step makes) and
 // give the tokens they give without it, greedy and sampled: a hit that ends inside a block
 // (the rest of it computed again), a prompt made of an earlier prompt and its reply (the reply's
-// blocks are cached too), a prompt that is a whole number of blocks, and a different start.
-TEST_F(EngineTest, PrefixCacheGivesTheTokensOfAFullPrefill) {
-  const int32_t V = int32_t(model_->config.vocab_size);
+// blocks are cached too), a prompt that is a whole number of blocks, and a different start. For
+// GQA, MLA (blocks of latents) and GLM-5 (latents and the indexer's keys).
+class PrefixCacheTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PrefixCacheTest, GivesTheTokensOfAFullPrefill) {
+  auto model = load_model(test::fixture_dir(GetParam()));
+  const int32_t V = int32_t(model->config.vocab_size);
   std::vector<int32_t> a(45);
   for (size_t i = 0; i < a.size(); ++i) a[i] = int32_t((7 * i + 3) % size_t(V));
   auto run = [&](bool cache) {
@@ -122,7 +126,7 @@ TEST_F(EngineTest, PrefixCacheGivesTheTokensOfAFullPrefill) {
     o.prefill_chunk = 20;
     o.threads = 1;
     o.prefix_cache = cache;
-    Engine e(*model_, o);
+    Engine e(*model, o);
     std::vector<std::vector<int32_t>> out;
     std::vector<int64_t> cached;
     auto go = [&](std::vector<int32_t> prompt, float temperature) {
@@ -153,6 +157,13 @@ TEST_F(EngineTest, PrefixCacheGivesTheTokensOfAFullPrefill) {
   EXPECT_EQ(none, (std::vector<int64_t>{0, 0, 0, 0, 0}));
   EXPECT_EQ(cached, (std::vector<int64_t>{0, 32, 48, 16, 0}));
 }
+
+INSTANTIATE_TEST_SUITE_P(Families, PrefixCacheTest, ::testing::Values("qwen3moe-bf16", "deepseekv3-bf16", "glm5-bf16"),
+                         [](const auto& info) {
+                           std::string n = info.param;
+                           std::replace(n.begin(), n.end(), '-', '_');
+                           return n;
+                         });
 
 // The engine over a model split across threads (the CPU twin of --tp 2 --ep 2 on two GPUs)
 // gives the unsplit engine's greedy tokens.
