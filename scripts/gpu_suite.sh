@@ -236,5 +236,5 @@ printf "tests: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$
 grep -h "random Qwen3" "$OUT/gpu_tests.log" || true
 grep "^cli:" "$OUT/cli.txt" || true
 [ -f "$OUT/allreduce.json" ] && cat "$OUT/allreduce.txt" || true
-[ -f "$OUT/bench.txt" ] && grep -E "^== |^prefill|^ *tokens +ms|^ *(batch|[0-9])|^  [a-z_]+ +[0-9]|^  total|^  between ops|^  step \(graph\)|^extrapolated|^ *[a-z0-9.-]+ +B=" "$OUT/bench.txt" | grep -v "random weights" || true
+[ -f "$OUT/bench.txt" ] && grep -E "^== |^prefill|^ *tokens +ms|^ *(batch|[0-9])|^  [a-z_]+ +[0-9]|^  total|^  between ops|^  step \(graph\)|^ *persistent step|^extrapolated|^ *[a-z0-9.-]+ +B=" "$OUT/bench.txt" | grep -v "random weights" || true
 exit $tests_rc
