@@ -40,6 +40,9 @@ class CpuSlots final : public SequenceSlots {
     fail("internal: no free sequence slot of ", caches_.size());
   }
   void close(int slot) override { caches_.at(size_t(slot)).reset(); }
+  bool prefix_cache() const override {
+    return blocks_ && blocks_->with_ids([](KvBlocks& ids) { return ids.prefix_cache(); });
+  }
   PrefixCacheStats prefix_stats() const override {
     return blocks_ ? blocks_->with_ids([](KvBlocks& ids) { return ids.stats(); }) : PrefixCacheStats{};
   }

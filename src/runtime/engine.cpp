@@ -80,6 +80,10 @@ struct Engine::Sequence {
   int64_t reserved = 0;          // KV positions held: positions in whole blocks
   bool admitted = false;         // counted in kv_used_
   bool done = false;             // the end event was sent
+  // Shared by a request's choices: choice 0 has run its prompt (or ended). With a prefix cache,
+  // the other choices start only then, on the blocks it published, instead of running the
+  // prompt n times.
+  std::shared_ptr<bool> lead_prefilled;
 };
 
 int64_t engine_context(const Model& model, const EngineOptions& o) {
@@ -131,6 +135,7 @@ std::shared_ptr<RequestStream> Engine::submit(GenerationRequest r) {
                                 " KV positions at once; the server holds ", o_.kv_tokens, " in all"));
   Group g;
   auto stream = std::make_shared<RequestStream>(r.n);
+  auto lead = std::make_shared<bool>(false);
   for (int i = 0; i < r.n; ++i) {
     auto s = std::make_unique<Sequence>();
     s->req = r;
@@ -139,6 +144,7 @@ std::shared_ptr<RequestStream> Engine::submit(GenerationRequest r) {
     s->stream = stream;
     s->positions = need;
     s->reserved = reserve;
+    s->lead_prefilled = lead;
     g.reserved += reserve;
     g.seqs.push_back(std::move(s));
   }
@@ -202,6 +208,7 @@ void Engine::finish(Sequence& s, Finish f, const std::string& error, bool locked
   if (s.slot >= 0) slots_->close(s.slot);
   s.slot = -1;
   s.done = true;
+  if (s.index == 0) *s.lead_prefilled = true;  // the other choices go on without it
 }
 
 void Engine::step_all() {
@@ -223,6 +230,9 @@ void Engine::step_all() {
           finish(s, Finish::Length);
           continue;
         }
+        if (s.index > 0 && !*s.lead_prefilled && slots_->prefix_cache() &&
+            s.req.prompt.size() > size_t(KvBlocks::kBlock))
+          continue;  // choice 0's prompt blocks first
         const SequenceSlots::Opened o = slots_->open(s.positions, s.req.prompt);
         s.slot = o.slot;
         s.prefilled = size_t(o.cached);
@@ -271,6 +281,7 @@ void Engine::step_all() {
   for (size_t i = 0; i < jobs.size(); ++i) {
     Sequence& s = *seqs[i];
     s.prefilled += ran[i];
+    if (s.index == 0 && s.prefilled == s.req.prompt.size()) *s.lead_prefilled = true;
     if (jobs[i].logits) emit(s, s.drawn);
   }
   const PrefixCacheStats p = slots_->prefix_stats();

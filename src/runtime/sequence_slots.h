@@ -32,7 +32,8 @@ class SequenceSlots {
   };
   virtual Opened open(int64_t positions, std::span<const int32_t> prompt) = 0;
   virtual void close(int slot) = 0;
-  // The prefix cache's counters (engine thread only).
+  // Whether open() looks prompts up in a prefix cache, and its counters (engine thread only).
+  virtual bool prefix_cache() const { return false; }
   virtual PrefixCacheStats prefix_stats() const { return {}; }
 
   // An offer to draw the next token on the backend, from the last token's logits, instead of

@@ -106,6 +106,34 @@ TEST_F(EngineTest, SameTokensAloneAndInABatch) {
   EXPECT_EQ(st.generated_tokens, total);
 }
 
+// A request of n choices with the prefix cache runs its prompt once: the other choices start
+// after choice 0 has run it, on the blocks it published, and give the tokens they give alone.
+TEST_F(EngineTest, ChoicesRunTheirPromptOnceWithThePrefixCache) {
+  EngineOptions o;
+  o.max_batch = 4;
+  o.context = 96;
+  o.prefill_chunk = 16;
+  o.threads = 1;
+  std::vector<int32_t> prompt(40);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((5 * i + 1) % 97);
+  for (bool cache : {false, true}) {
+    SCOPED_TRACE(cache ? "prefix cache" : "none");
+    o.prefix_cache = cache;
+    Engine e(*model_, o);
+    GenerationRequest r = request(prompt, 6, 0.9f, 7);
+    r.n = 3;
+    const std::vector<Result> got = drain_choices(*e.submit(r));
+    ASSERT_EQ(got.size(), 3u);
+    const EngineStats st = e.stats();
+    EXPECT_EQ(st.cached_tokens, cache ? 2 * 32 : 0);  // choices 1 and 2: the prompt's 2 full blocks
+    EXPECT_EQ(st.prompt_tokens, 3 * 40);
+    Engine alone(*model_, o);
+    for (int i = 0; i < 3; ++i)
+      EXPECT_EQ(got[size_t(i)].tokens, drain(*alone.submit(request(prompt, 6, 0.9f, choice_seed(7, i)))).tokens)
+          << "choice " << i;
+  }
+}
+
 // The prefix cache: requests that share a beginning with earlier ones take its full blocks from
 // the cache (at most all but the prompt's last token, whose logits the first step makes) and
 // give the tokens they give without it, greedy and sampled: a hit that ends inside a block
@@ -398,6 +426,7 @@ class SamplingSlots final : public SequenceSlots {
   int slots() const override { return inner_->slots(); }
   int64_t max_chunk() const override { return inner_->max_chunk(); }
   Opened open(int64_t positions, std::span<const int32_t> prompt) override { return inner_->open(positions, prompt); }
+  bool prefix_cache() const override { return inner_->prefix_cache(); }
   void close(int slot) override { inner_->close(slot); }
   void run(std::span<const Job> jobs) override {
     std::vector<Job> js(jobs.begin(), jobs.end());

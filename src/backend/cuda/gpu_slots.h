@@ -39,6 +39,7 @@ class GpuSlots final : public SequenceSlots {
   int64_t max_chunk() const override { return kPrefillChunk; }
   Opened open(int64_t positions, std::span<const int32_t> prompt) override;
   void close(int slot) override { tables_.close(slot); }
+  bool prefix_cache() const override { return tables_.ids().prefix_cache(); }
   PrefixCacheStats prefix_stats() const override { return tables_.ids().stats(); }
   void run(std::span<const Job> jobs) override;
   std::string describe() const override;
