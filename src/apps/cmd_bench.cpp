@@ -564,8 +564,12 @@ int run_bench(const Options* o) {
         std::printf("%6s %-16s %6s %9s %9s %11s\n", "", "op", "tiles", "run ms", "wait ms", "run us/tile");
         nlohmann::json pops = nlohmann::json::array();
         for (const auto& t : ps.trace(s)) {
-          std::printf("%6s %-16s %6d %9.3f %9.3f %11.2f\n", "", step_op_name(t.op), t.tiles, t.run_cycles / per_ms,
+          std::printf("%6s %-16s %6d %9.3f %9.3f %11.2f", "", step_op_name(t.op), t.tiles, t.run_cycles / per_ms,
                       t.wait_cycles / per_ms, t.run_cycles / t.tiles / (double(khz) / 1e3));
+          // Where a tile's time goes: microseconds from its start to each mark inside the op.
+          for (size_t m = 0; m < t.marked.size(); ++m)
+            if (t.marked[m] > 0) std::printf("  @%zu %.2f", m, t.mark_cycles[m] / t.marked[m] / (double(khz) / 1e3));
+          std::printf("\n");
           pops.push_back({{"op", step_op_name(t.op)}, {"tiles", t.tiles}, {"run_ms", t.run_cycles / per_ms},
                           {"wait_ms", t.wait_cycles / per_ms}});
         }

@@ -42,7 +42,7 @@ void print_ops(const StepPlan& p, int layer) {
     if (rows.empty() || rows.back().first != name) rows.emplace_back(name, Row{});
     Row& r = rows.back().second;
     ++r.tiles;
-    const bool ranged = in.op != StepOp::QkRopeStore && in.op != StepOp::AttnSplit && in.op != StepOp::AttnCombine &&
+    const bool ranged = in.op != StepOp::AttnSplit && in.op != StepOp::AttnCombine &&
                         in.op != StepOp::Route;
     if (ranged) {
       r.rows_min = std::min(r.rows_min, in.b - in.a);
@@ -91,7 +91,8 @@ void print_op(const StepPlan& p, const std::string& op, int layer) {
 
 void print_queues(const StepPlan& p) {
   std::vector<double> bytes(p.queues.size(), 0);
-  for (const StepInstr& in : p.instrs) bytes[size_t(in.sm)] += in.weight_bytes + in.cache_bytes;
+  for (const StepInstr& in : p.instrs)
+    if (!in.tail) bytes[size_t(in.sm)] += in.weight_bytes + in.cache_bytes;
   const auto [lo, hi] = std::minmax_element(bytes.begin(), bytes.end());
   double sum = 0;
   size_t most = 0, least = SIZE_MAX;
@@ -100,8 +101,8 @@ void print_queues(const StepPlan& p) {
     most = std::max(most, p.queues[s].size());
     least = std::min(least, p.queues[s].size());
   }
-  std::printf("\nqueues: %zu instructions per SM (%zu to %zu); bytes per SM %.2f to %.2f MB (mean %.2f, most %.1f%% over)\n",
-              p.instrs.size() / p.queues.size(), least, most, mb(*lo), mb(*hi), mb(sum / bytes.size()),
+  std::printf("\nqueues: %zu instructions per SM (%zu to %zu) and %zu tails; bytes per SM %.2f to %.2f MB (mean %.2f, most %.1f%% over)\n",
+              (p.instrs.size() - p.tails.size()) / p.queues.size(), least, most, p.tails.size(), mb(*lo), mb(*hi), mb(sum / bytes.size()),
               100.0 * (*hi / (sum / bytes.size()) - 1.0));
 }
 

@@ -8,6 +8,7 @@
 #include "common/error.h"
 #include "plan/roofline.h"
 #include "plan/step_accesses.h"
+#include "plan/step_plan_check.h"
 
 namespace kestrel {
 
@@ -15,7 +16,6 @@ const char* step_op_name(StepOp op) {
   switch (op) {
     case StepOp::Embed: return "embed";
     case StepOp::AttnNormQkv: return "norm_qkv";
-    case StepOp::QkRopeStore: return "qk_rope_store";
     case StepOp::AttnSplit: return "attn_split";
     case StepOp::AttnCombine: return "attn_combine";
     case StepOp::OProj: return "o_proj";
@@ -61,6 +61,7 @@ const char* step_buf_name(StepBuf b) {
     case StepBuf::IndexCache: return "index_cache";
     case StepBuf::IndexScores: return "index_scores";
     case StepBuf::Selection: return "selection";
+    case StepBuf::KvNew: return "kv_new";
   }
   return "?";
 }
@@ -128,9 +129,10 @@ class Builder {
   }
 
   // Starts a new op (layer, op): its tiles follow.
-  void op(StepOp op, int32_t layer) {
+  void op(StepOp op, int32_t layer, bool tail = false) {
     cur_op_ = op;
     cur_layer_ = layer;
+    cur_tail_ = tail;
     op_begin_.push_back(int32_t(p_.instrs.size()));
   }
 
@@ -141,6 +143,7 @@ class Builder {
     i.a = a;
     i.b = b;
     i.c = c;
+    i.tail = cur_tail_;
     op_of_.push_back(int32_t(op_begin_.size()) - 1);
     return i;
   }
@@ -163,6 +166,10 @@ class Builder {
   double expert_bpw_ = 0;
   StepOp cur_op_ = StepOp::Embed;
   int32_t cur_layer_ = -1;
+  bool cur_tail_ = false;
+  // Per instruction: its queue for the clocks (a tail's own, after the SMs') and place in it.
+  std::vector<int32_t> vsm_, vslot_;
+  int32_t queues_ = 0;  // SMs + tails
   std::vector<int32_t> op_begin_;  // first instruction of each op, in program order
   std::vector<int32_t> op_of_;     // per instruction: its op
 };
@@ -202,23 +209,25 @@ void Builder::gqa_attention(int32_t l) {
     auto rows_in = [lo, hi](int64_t b, int64_t e) { return double(std::max<int64_t>(0, std::min(hi, e) - std::max(lo, b))); };
     i.weight_bytes = double(H) * (rows_in(0, qr) * bq + rows_in(qr, qr + kr) * bk + rows_in(qr + kr, qr + 2 * kr) * bv);
   }
-  op(StepOp::QkRopeStore, l);
-  for (int64_t g = 0; g < nkv; ++g) {
-    StepInstr& i = tile(g, g + 1);
-    const StepSpan q{StepBuf::Qkv, g * G * hd, (g + 1) * G * hd};
-    i.reads = {q, {StepBuf::Qkv, qr + g * hd, qr + (g + 1) * hd}, {StepBuf::Qkv, qr + kr + g * hd, qr + kr + (g + 1) * hd}};
-    i.writes = {q, {StepBuf::KvCache, l * nkv + g, l * nkv + g + 1}};
-  }
+  // Every split normalizes and rotates its own copy of the group's queries (a few hundred floats:
+  // cheaper than a stage of its own between q/k/v and the splits); the last split, whose
+  // positions end at the step's, also rotates the key and stores it and the value in the cache.
   op(StepOp::AttnSplit, l);
   const double positions = double(std::max<int64_t>(o_.context, 1));
   for (int64_t g = 0; g < nkv; ++g)
     for (int64_t s = 0; s < p.splits; ++s) {
       StepInstr& i = tile(g, s);
-      i.reads = {{StepBuf::Qkv, g * G * hd, (g + 1) * G * hd}, {StepBuf::KvCache, l * nkv + g, l * nkv + g + 1}};
-      i.writes = {{StepBuf::AttnPart, g * p.splits + s, g * p.splits + s + 1}};
+      const StepSpan cache{StepBuf::KvCache, l * nkv + g, l * nkv + g + 1}, fresh{StepBuf::KvNew, l * nkv + g, l * nkv + g + 1};
+      i.reads = {{StepBuf::Qkv, g * G * hd, (g + 1) * G * hd}, cache};
+      if (s + 1 == p.splits) {
+        i.reads.push_back({StepBuf::Qkv, qr + g * hd, qr + (g + 1) * hd});
+        i.reads.push_back({StepBuf::Qkv, qr + kr + g * hd, qr + kr + (g + 1) * hd});
+        i.writes.push_back(fresh);
+      }
+      i.writes.push_back({StepBuf::AttnPart, g * p.splits + s, g * p.splits + s + 1});
       i.cache_bytes = double(o_.batch) * positions / double(p.splits) * 2.0 * double(hd) * o_.kv_value_bytes;
     }
-  op(StepOp::AttnCombine, l);
+  op(StepOp::AttnCombine, l, true);
   for (int64_t g = 0; g < nkv; ++g) {
     StepInstr& i = tile(g, g + 1);
     i.reads = {{StepBuf::AttnPart, g * p.splits, (g + 1) * p.splits}};
@@ -371,7 +380,7 @@ void Builder::layer(int32_t l) {
     i.writes = {{StepBuf::RouterLogits, r0, r1}};
     i.weight_bytes = double(r1 - r0) * double(H) * 2.0;
   }
-  op(StepOp::Route, l);
+  op(StepOp::Route, l, true);
   StepInstr& r = tile(0, 1);
   r.reads = {{StepBuf::RouterLogits, 0, E}};
   r.writes = {{StepBuf::Routes, 0, 1}};
@@ -414,6 +423,7 @@ void Builder::assign() {
   std::vector<double> load(size_t(n), 0.0);
   for (size_t k = 0; k < op_begin_.size(); ++k) {
     const int32_t begin = op_begin_[k], end = k + 1 < op_begin_.size() ? op_begin_[k + 1] : int32_t(p.instrs.size());
+    if (p.instrs[size_t(begin)].tail) continue;
     std::vector<int32_t> order(size_t(end - begin));
     std::iota(order.begin(), order.end(), begin);
     auto cost = [&](int32_t i) { return p.instrs[size_t(i)].weight_bytes + p.instrs[size_t(i)].cache_bytes + o_.instr_cost; };
@@ -425,11 +435,21 @@ void Builder::assign() {
     }
   }
   p.queues.assign(size_t(n), {});
+  vsm_.assign(p.instrs.size(), 0);
+  vslot_.assign(p.instrs.size(), 0);
   for (int32_t i = 0; i < int32_t(p.instrs.size()); ++i) {
     StepInstr& in = p.instrs[size_t(i)];
+    if (in.tail) {
+      vsm_[size_t(i)] = n + int32_t(p.tails.size());
+      p.tails.push_back(i);
+      continue;
+    }
     in.slot = int32_t(p.queues[size_t(in.sm)].size());
     p.queues[size_t(in.sm)].push_back(i);
+    vsm_[size_t(i)] = in.sm;
+    vslot_[size_t(i)] = in.slot;
   }
+  queues_ = n + int32_t(p.tails.size());
 }
 
 void Builder::connect() {
@@ -455,17 +475,15 @@ void Builder::connect() {
   // consumer's needs of one producer op remain, all of them stay (a counter is for the tiles one
   // consumer needs, even those its queue happens to have run already).
   {
-    const size_t S = size_t(o_.sms);
+    const size_t S = size_t(queues_);
     std::vector<std::vector<int32_t>> done(N), sm_clock(S, std::vector<int32_t>(S, 0));
     for (int32_t i = 0; i < int32_t(N); ++i) {
-      const StepInstr& in = p.instrs[size_t(i)];
-      std::vector<int32_t> vc = sm_clock[size_t(in.sm)];
+      std::vector<int32_t> vc = sm_clock[size_t(vsm_[size_t(i)])];
       auto& n = needs[size_t(i)];
       std::sort(n.begin(), n.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
       std::vector<int32_t> kept_ops;
       for (const auto& need : n) {
-        const StepInstr& pj = p.instrs[size_t(need.second)];
-        if (vc[size_t(pj.sm)] > pj.slot) continue;
+        if (vc[size_t(vsm_[size_t(need.second)])] > vslot_[size_t(need.second)]) continue;
         kept_ops.push_back(need.first);
         for (size_t s = 0; s < S; ++s) vc[s] = std::max(vc[s], done[size_t(need.second)][s]);
       }
@@ -474,9 +492,9 @@ void Builder::connect() {
         if (std::find(kept_ops.begin(), kept_ops.end(), need.first) != kept_ops.end()) kept.push_back(need);
       std::sort(kept.begin(), kept.end());
       n = std::move(kept);
-      vc[size_t(in.sm)] = in.slot + 1;
+      vc[size_t(vsm_[size_t(i)])] = vslot_[size_t(i)] + 1;
       done[size_t(i)] = vc;
-      sm_clock[size_t(in.sm)] = std::move(vc);
+      sm_clock[size_t(vsm_[size_t(i)])] = std::move(vc);
     }
   }
   // 4. Counters: a producer op's tiles that one consumer needs share a counter.
@@ -500,7 +518,7 @@ void Builder::connect() {
 
   // 5. Waits, less those the rest imply: vector clocks over the SMs, in program order. vc[i][s]
   // is how many instructions of SM s are done before instruction i starts.
-  const size_t S = size_t(o_.sms);
+  const size_t S = size_t(queues_);
   std::vector<std::vector<int32_t>> done(N);  // per instruction: the clock once it is done
   std::vector<std::vector<int32_t>> counter_clock(p.counters.size());
   auto clock_of = [&](int32_t k) -> const std::vector<int32_t>& {
@@ -523,10 +541,10 @@ void Builder::connect() {
     std::stable_sort(candidates.begin(), candidates.end(), [&](int32_t a, int32_t b) {
       return p.counters[size_t(a)].producers > p.counters[size_t(b)].producers;
     });
-    std::vector<int32_t> vc = sm_clock[size_t(in.sm)];
+    std::vector<int32_t> vc = sm_clock[size_t(vsm_[size_t(i)])];
     auto implied = [&](int32_t k) {
       for (int32_t j : producers[size_t(k)])
-        if (vc[size_t(p.instrs[size_t(j)].sm)] <= p.instrs[size_t(j)].slot) return false;
+        if (vc[size_t(vsm_[size_t(j)])] <= vslot_[size_t(j)]) return false;
       return true;
     };
     for (int32_t k : candidates) {
@@ -536,9 +554,18 @@ void Builder::connect() {
       for (size_t s = 0; s < S; ++s) vc[s] = std::max(vc[s], ck[s]);
     }
     std::sort(in.waits.begin(), in.waits.end());
-    vc[size_t(in.sm)] = in.slot + 1;
+    vc[size_t(vsm_[size_t(i)])] = vslot_[size_t(i)] + 1;
     done[size_t(i)] = vc;
-    sm_clock[size_t(in.sm)] = std::move(vc);
+    sm_clock[size_t(vsm_[size_t(i)])] = std::move(vc);
+  }
+  // A tail runs where its one wait completes: it must have exactly one, and a counter one tail.
+  std::vector<int32_t> tail_of(p.counters.size(), -1);
+  for (int32_t t : p.tails) {
+    const StepInstr& in = p.instrs[size_t(t)];
+    if (in.waits.size() != 1) fail("internal: the tail ", describe_instr(p, t), " waits on ", in.waits.size(), " counters, not one");
+    if (tail_of[size_t(in.waits[0])] >= 0)
+      fail("internal: the tails ", describe_instr(p, tail_of[size_t(in.waits[0])]), " and ", describe_instr(p, t), " wait on one counter");
+    tail_of[size_t(in.waits[0])] = t;
   }
 }
 
@@ -597,6 +624,7 @@ StepPlan make_step_plan(const ModelConfig& c, const StepPlanOptions& o) {
   p.units[size_t(StepBuf::Hidden)] = p.hidden;
   p.units[size_t(StepBuf::Qkv)] = p.qkv_rows;
   p.units[size_t(StepBuf::KvCache)] = p.layers * groups;
+  p.units[size_t(StepBuf::KvNew)] = p.mla ? 0 : p.layers * groups;
   p.units[size_t(StepBuf::AttnPart)] = groups * p.splits;
   p.units[size_t(StepBuf::AttnOut)] = p.att_rows;
   p.units[size_t(StepBuf::MlaProj)] = p.proj_rows;

@@ -21,6 +21,9 @@
 //      one counter where a consumer reads all), so every tile advances exactly one counter;
 //   5. a wait that the instruction's other waits and its queue already imply is dropped (vector
 //      clocks over SMs: exact, not a heuristic).
+// Tails (the attention's combine, the route) are in no queue: each has one wait, and the block
+// whose tile completes that counter runs it next. To the clocks and the proof a tail is a queue
+// of its own (any timing of it is covered; running it on the completing block is one of them).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -33,8 +36,8 @@ namespace kestrel {
 enum class StepOp : uint8_t {
   Embed,          // the tokens' embedding rows -> Hidden
   AttnNormQkv,    // RMSNorm of Hidden, then rows [a, b) of q | k | v (+ bias) -> Qkv
-  QkRopeStore,    // KV head a: QK norm and rotary of its query heads and key, key and value into the cache
-  AttnSplit,      // KV head a, split b of the positions: partial softmax attention -> AttnPart
+  AttnSplit,      // KV head a, split b of the positions: its query heads' QK norm and rotary, partial
+                  // softmax attention -> AttnPart; the last split also stores the step's key and value
   AttnCombine,    // KV head a: its splits combined -> AttnOut rows of its query heads
   OProj,          // rows [a, b) of o (+ bias) added to Hidden
   FfnNormRouter,  // RMSNorm of Hidden, router rows [a, b) -> RouterLogits
@@ -58,17 +61,18 @@ enum class StepOp : uint8_t {
   IndexScore,       // split a of the positions: every cached position's score -> IndexScores
   IndexTopK,        // each token's index_topk best positions -> Selection
 };
-inline constexpr int kStepOpCount = 24;
+inline constexpr int kStepOpCount = 23;
 const char* step_op_name(StepOp op);
 
 // Activation buffers. Ranges are in units of one token's row, the same range for every token of
-// the batch (KvCache: units of (layer, KV head), one per layer for MLA; AttnPart: (KV head, split),
+// the batch (KvCache: units of (layer, KV head), one per layer for MLA; for GQA the positions
+// before the step's, whose key and value are KvNew, in the same units; AttnPart: (KV head, split),
 // for MLA one per split holding every head; Routes: one unit). Qkv holds MLA's queries.
 enum class StepBuf : uint8_t {
   Hidden, Qkv, KvCache, AttnPart, AttnOut, RouterLogits, Routes, ExpertMid, SharedMid, Mid, Logits,
-  MlaProj, QLat, QAbs, IndexQ, IndexCache, IndexScores, Selection
+  MlaProj, QLat, QAbs, IndexQ, IndexCache, IndexScores, Selection, KvNew
 };
-inline constexpr int kStepBufCount = 18;
+inline constexpr int kStepBufCount = 19;
 const char* step_buf_name(StepBuf b);
 
 struct StepSpan {
@@ -83,7 +87,10 @@ struct StepInstr {
   std::vector<StepSpan> reads, writes;
   double weight_bytes = 0;           // weights streamed (stored bytes, scales included)
   double cache_bytes = 0;            // KV cache read at the plan's context (all tokens)
-  int32_t sm = -1, slot = -1;        // queue and position in it
+  int32_t sm = -1, slot = -1;        // queue and position in it; -1 for a tail
+  // A tail is in no queue: the block whose tile completes the tail's one wait runs it right
+  // after that tile (a weightless step that would otherwise cost a hop between SMs).
+  bool tail = false;
   std::vector<int32_t> waits;        // counters
   int32_t signal = -1;               // the counter it advances when done
 };
@@ -117,6 +124,7 @@ struct StepPlan {
   std::vector<StepInstr> instrs; // program order
   std::vector<StepCounter> counters;
   std::vector<std::vector<int32_t>> queues;  // per SM: instruction indices in program order
+  std::vector<int32_t> tails;                // the tails, in program order
 
   double weight_bytes() const;
   double cache_bytes() const;

@@ -14,7 +14,6 @@ std::string describe_instr(const StepPlan& p, int32_t i) {
   std::string s = in.layer >= 0 ? "layer " + std::to_string(in.layer) + " " : "";
   s += step_op_name(in.op);
   switch (in.op) {
-    case StepOp::QkRopeStore:
     case StepOp::AttnCombine: s += " kv head " + std::to_string(in.a); break;
     case StepOp::AttnSplit: s += " kv head " + std::to_string(in.a) + " split " + std::to_string(in.b); break;
     case StepOp::Route: break;
@@ -23,6 +22,7 @@ std::string describe_instr(const StepPlan& p, int32_t i) {
       break;
     default: s += " [" + std::to_string(in.a) + ", " + std::to_string(in.b) + ")";
   }
+  if (in.tail) return s + " (#" + std::to_string(i) + ", a tail)";
   return s + " (#" + std::to_string(i) + ", SM " + std::to_string(in.sm) + " slot " + std::to_string(in.slot) + ")";
 }
 
@@ -52,7 +52,25 @@ void check_step_plan(const StepPlan& p) {
   }
   size_t queued = 0;
   for (const auto& q : p.queues) queued += q.size();
-  if (queued != N) fail("plan: ", N, " instructions, ", queued, " in the queues");
+  if (queued + p.tails.size() != N) fail("plan: ", N, " instructions, ", queued, " in the queues and ", p.tails.size(), " tails");
+  // A tail: in no queue, one wait, the only tail of that counter. To the clocks it is a queue of
+  // its own after the SMs' (lane_of / slot_of).
+  std::vector<int32_t> lane_of(N, -1), slot_of(N, 0), tail_of(K, -1);
+  for (int32_t i = 0; i < int32_t(N); ++i)
+    if (!p.instrs[size_t(i)].tail) lane_of[size_t(i)] = p.instrs[size_t(i)].sm, slot_of[size_t(i)] = p.instrs[size_t(i)].slot;
+  for (size_t t = 0; t < p.tails.size(); ++t) {
+    const int32_t i = p.tails[t];
+    if (i < 0 || size_t(i) >= N || !p.instrs[size_t(i)].tail) fail("plan: tail ", t, " is instruction ", i, ", not a tail");
+    const StepInstr& in = p.instrs[size_t(i)];
+    if (in.waits.size() != 1) fail("plan: the tail ", name(i), " waits on ", in.waits.size(), " counters, not one");
+    if (in.waits[0] < 0 || size_t(in.waits[0]) >= K) fail("plan: ", name(i), " waits on counter ", in.waits[0], " of ", K);
+    if (tail_of[size_t(in.waits[0])] >= 0) fail("plan: the tails ", name(tail_of[size_t(in.waits[0])]), " and ", name(i), " wait on one counter");
+    tail_of[size_t(in.waits[0])] = i;
+    if (t > 0 && p.tails[t - 1] >= i) fail("plan: the tails are out of program order");
+    lane_of[size_t(i)] = int32_t(S + t);
+  }
+  for (int32_t i = 0; i < int32_t(N); ++i)
+    if (lane_of[size_t(i)] < 0) fail("plan: ", name(i), " is neither queued nor a tail");
   if (p.units.size() != size_t(kStepBufCount)) fail("plan: units of ", p.units.size(), " buffers, not ", kStepBufCount);
   std::vector<std::vector<int32_t>> producers(K);
   for (int32_t i = 0; i < int32_t(N); ++i) {
@@ -81,26 +99,25 @@ void check_step_plan(const StepPlan& p) {
         fail("plan: ", name(i), " waits on counter ", k, ", which ", name(producers[size_t(k)].back()),
              " advances later in program order");
 
-  // Happens-before: start[i][s] = instructions of SM s complete when instruction i may start.
+  // Happens-before: start[i][s] = instructions of queue s complete when instruction i may start.
+  const size_t Q = S + p.tails.size();
   std::vector<std::vector<int32_t>> start(N), counter_clock(K);
-  std::vector<std::vector<int32_t>> sm_clock(S, std::vector<int32_t>(S, 0));
+  std::vector<std::vector<int32_t>> sm_clock(Q, std::vector<int32_t>(Q, 0));
   for (int32_t i = 0; i < int32_t(N); ++i) {
     const StepInstr& in = p.instrs[size_t(i)];
-    std::vector<int32_t> vc = sm_clock[size_t(in.sm)];
+    const size_t lane = size_t(lane_of[size_t(i)]);
+    std::vector<int32_t> vc = sm_clock[lane];
     for (int32_t k : in.waits)
-      for (size_t s = 0; s < S; ++s) vc[s] = std::max(vc[s], counter_clock[size_t(k)][s]);
+      for (size_t s = 0; s < Q; ++s) vc[s] = std::max(vc[s], counter_clock[size_t(k)].empty() ? 0 : counter_clock[size_t(k)][s]);
     start[size_t(i)] = vc;
-    vc[size_t(in.sm)] = in.slot + 1;
+    vc[lane] = slot_of[size_t(i)] + 1;
     auto& ck = counter_clock[size_t(in.signal)];
-    if (ck.empty()) ck.assign(S, 0);
-    for (size_t s = 0; s < S; ++s) ck[s] = std::max(ck[s], vc[s]);
-    sm_clock[size_t(in.sm)] = std::move(vc);
+    if (ck.empty()) ck.assign(Q, 0);
+    for (size_t s = 0; s < Q; ++s) ck[s] = std::max(ck[s], vc[s]);
+    sm_clock[lane] = std::move(vc);
   }
   // j happens before i.
-  auto before = [&](int32_t j, int32_t i) {
-    const StepInstr& a = p.instrs[size_t(j)];
-    return start[size_t(i)][size_t(a.sm)] > a.slot;
-  };
+  auto before = [&](int32_t j, int32_t i) { return start[size_t(i)][size_t(lane_of[size_t(j)])] > slot_of[size_t(j)]; };
   // Hazards, in program order (StepAccesses).
   StepAccesses accesses(p);
   for (int32_t i = 0; i < int32_t(N); ++i)
@@ -115,6 +132,8 @@ std::vector<int32_t> simulate_step_plan(const StepPlan& p, uint64_t seed) {
   const size_t S = p.queues.size();
   std::vector<int32_t> value(p.counters.size(), 0), order;
   std::vector<size_t> head(S, 0);
+  std::vector<int32_t> tail_of(p.counters.size(), -1);
+  for (int32_t t : p.tails) tail_of[size_t(p.instrs[size_t(t)].waits.at(0))] = t;
   std::mt19937_64 rng(seed);
   auto ready = [&](size_t sm) {
     if (head[sm] >= p.queues[sm].size()) return false;
@@ -141,9 +160,13 @@ std::vector<int32_t> simulate_step_plan(const StepPlan& p, uint64_t seed) {
       fail("plan: the queues stop after ", order.size(), " of ", p.instrs.size(), " instructions:", blocked);
     }
     const size_t sm = can[rng() % can.size()];
-    const int32_t i = p.queues[sm][head[sm]++];
-    ++value[size_t(p.instrs[size_t(i)].signal)];
-    order.push_back(i);
+    int32_t i = p.queues[sm][head[sm]++];
+    // The tile, then the tail of each counter it completes.
+    while (i >= 0) {
+      order.push_back(i);
+      const int32_t k = p.instrs[size_t(i)].signal;
+      i = ++value[size_t(k)] == p.counters[size_t(k)].producers ? tail_of[size_t(k)] : -1;
+    }
   }
   for (size_t k = 0; k < value.size(); ++k)
     if (value[k] != p.counters[k].producers)

@@ -90,7 +90,8 @@ TEST(StepPlan, RealShapesAreSafeAndStreamTheirFloor) {
       EXPECT_LE(most, 3u);
       // Each op instance of a layer is one wave over the SMs, so no SM runs much more than the others.
       std::vector<double> load(size_t(o.sms), 0);
-      for (const StepInstr& in : p.instrs) load[size_t(in.sm)] += in.weight_bytes + in.cache_bytes;
+      for (const StepInstr& in : p.instrs)
+        if (!in.tail) load[size_t(in.sm)] += in.weight_bytes + in.cache_bytes;
       const double mean = std::accumulate(load.begin(), load.end(), 0.0) / double(load.size());
       EXPECT_LT(*std::max_element(load.begin(), load.end()), 1.05 * mean);
     }
@@ -98,7 +99,7 @@ TEST(StepPlan, RealShapesAreSafeAndStreamTheirFloor) {
 }
 
 TEST(StepPlan, CountersFollowTheData) {
-  // Qwen3-30B-A3B at one token: q/k/v tiles never straddle heads, so each KV head's rotary waits
+  // Qwen3-30B-A3B at one token: q/k/v tiles never straddle heads, so each KV head's splits wait
   // only on its own group's tiles; o_proj reads every head's output, so the combines share one
   // counter; each expert_down tile waits on one counter of all the expert tiles.
   const StepPlan p = make_step_plan(config("qwen3-30b-a3b-nvfp4.json"), {});
@@ -110,15 +111,44 @@ TEST(StepPlan, CountersFollowTheData) {
   EXPECT_EQ(advanced[StepOp::ExpertGateUp].size(), 1u);
   for (const StepInstr& in : p.instrs) {
     if (in.layer != 1) continue;
-    if (in.op == StepOp::QkRopeStore) {
+    if (in.op == StepOp::AttnSplit && !in.waits.empty()) {  // none where its queue ran one that waited
       ASSERT_EQ(in.waits.size(), 1u);
       EXPECT_EQ(p.counters[size_t(in.waits[0])].producers, 30);  // 10 head blocks x 3 tiles
+      EXPECT_EQ(p.instrs[size_t(p.counters[size_t(in.waits[0])].first)].op, StepOp::AttnNormQkv);
     }
     if (in.op == StepOp::AttnNormQkv) {
       ASSERT_EQ(in.waits.size(), 1u);  // the previous layer's expert_down, all of it
       EXPECT_EQ(p.instrs[size_t(p.counters[size_t(in.waits[0])].first)].op, StepOp::ExpertDown);
     }
   }
+}
+
+TEST(StepPlan, TailsRunWhereTheirOneWaitCompletes) {
+  // Qwen3-30B-A3B: per layer each KV head's combine (after its splits) and the route (after the
+  // router) are tails, in no queue, each on a counter of its own producers; the simulated queues
+  // run each tail right after the tile that completes its counter.
+  const StepPlan p = make_step_plan(config("qwen3-30b-a3b-nvfp4.json"), {.batch = 3});
+  ASSERT_EQ(p.tails.size(), size_t(p.layers * (p.kv_heads + 1)));
+  for (int32_t t : p.tails) {
+    const StepInstr& in = p.instrs[size_t(t)];
+    EXPECT_TRUE(in.tail);
+    EXPECT_TRUE(in.op == StepOp::AttnCombine || in.op == StepOp::Route) << describe_instr(p, t);
+    EXPECT_EQ(in.sm, -1);
+    ASSERT_EQ(in.waits.size(), 1u);
+    EXPECT_EQ(p.counters[size_t(in.waits[0])].producers, in.op == StepOp::AttnCombine ? p.splits : 128);
+  }
+  const std::vector<int32_t> order = simulate_step_plan(p, 7);
+  for (size_t k = 0; k < order.size(); ++k) {
+    const StepInstr& in = p.instrs[size_t(order[k])];
+    if (!in.tail) continue;
+    ASSERT_GT(k, 0u);
+    EXPECT_EQ(p.instrs[size_t(order[k - 1])].signal, in.waits[0]) << describe_instr(p, order[k]);
+  }
+  // A tail given a second wait is refused.
+  StepPlan bad = p;
+  StepInstr& t = bad.instrs[size_t(bad.tails[1])];
+  t.waits.insert(t.waits.begin(), bad.instrs[size_t(bad.tails[0])].signal);
+  EXPECT_NE(error_of([&] { check_step_plan(bad); }).find("waits on 2 counters, not one"), std::string::npos);
 }
 
 TEST(StepPlan, BrokenPlansFailNamingTheInstruction) {

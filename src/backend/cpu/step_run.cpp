@@ -268,40 +268,36 @@ void Step::run(const StepInstr& in, std::span<const int32_t> tokens) {
       }
       return;
     }
-    case StepOp::QkRopeStore: {
-      const int64_t g = in.a;
-      std::vector<float> k(static_cast<size_t>(hd));
-      for (int64_t b = 0; b < B; ++b) {
-        float* row_b = qkv.data() + b * p.qkv_rows;
-        for (int64_t h = g * G; h < (g + 1) * G; ++h) {
-          float* q = row_b + h * hd;
-          if (c.qk_norm) rms_norm(q, L->q_norm.data(), 1, hd, c.rms_norm_eps, q);
-          apply_rope(q, 1, hd, pos[size_t(b)], rope);
-        }
-        std::copy_n(row_b + qr + g * hd, hd, k.begin());
-        if (c.qk_norm) rms_norm(k.data(), L->k_norm.data(), 1, hd, c.rms_norm_eps, k.data());
-        apply_rope(k.data(), 1, hd, pos[size_t(b)], rope);
-        KvCache& cache = *caches[size_t(b)];
-        std::copy_n(k.data(), hd, cache.k(l, pos[size_t(b)]) + g * hd);
-        std::copy_n(row_b + qr + kr + g * hd, hd, cache.v(l, pos[size_t(b)]) + g * hd);
-      }
-      return;
-    }
     case StepOp::AttnSplit: {
+      // The group's queries normalized and rotated for this split alone; the last split (its
+      // positions end at the step's) stores the step's key and value first.
       const int64_t g = in.a, s = in.b;
       const float scale = 1.0f / std::sqrt(float(hd));
-      std::vector<float> sc;
+      std::vector<float> sc, q(static_cast<size_t>(G * hd)), k(static_cast<size_t>(hd));
       for (int64_t b = 0; b < B; ++b) {
-        const KvCache& cache = *caches[size_t(b)];
+        KvCache& cache = *caches[size_t(b)];
+        const float* row_b = qkv.data() + b * p.qkv_rows;
+        std::copy_n(row_b + g * G * hd, G * hd, q.begin());
+        for (int64_t h = 0; h < G; ++h) {
+          if (c.qk_norm) rms_norm(q.data() + h * hd, L->q_norm.data(), 1, hd, c.rms_norm_eps, q.data() + h * hd);
+          apply_rope(q.data() + h * hd, 1, hd, pos[size_t(b)], rope);
+        }
+        if (s + 1 == p.splits) {
+          std::copy_n(row_b + qr + g * hd, hd, k.begin());
+          if (c.qk_norm) rms_norm(k.data(), L->k_norm.data(), 1, hd, c.rms_norm_eps, k.data());
+          apply_rope(k.data(), 1, hd, pos[size_t(b)], rope);
+          std::copy_n(k.data(), hd, cache.k(l, pos[size_t(b)]) + g * hd);
+          std::copy_n(row_b + qr + kr + g * hd, hd, cache.v(l, pos[size_t(b)]) + g * hd);
+        }
         const int64_t len = pos[size_t(b)] + 1, j0 = s * len / p.splits, j1 = (s + 1) * len / p.splits;
         for (int64_t h = 0; h < G; ++h) {
-          const float* q = qkv.data() + b * p.qkv_rows + (g * G + h) * hd;
+          const float* qh = q.data() + h * hd;
           float* out = part_at(b, g, s, h);
           float m = -std::numeric_limits<float>::infinity(), sum = 0.0f;
           std::fill(out + 2, out + 2 + hd, 0.0f);
           sc.resize(size_t(std::max<int64_t>(j1 - j0, 0)));
           for (int64_t j = j0; j < j1; ++j) {
-            sc[size_t(j - j0)] = dot(q, cache.k(l, j) + g * hd, hd) * scale;
+            sc[size_t(j - j0)] = dot(qh, cache.k(l, j) + g * hd, hd) * scale;
             m = std::max(m, sc[size_t(j - j0)]);
           }
           for (int64_t j = j0; j < j1; ++j) {

@@ -25,6 +25,7 @@ __device__ inline void route_tokens(const PProgram& P, const PInstr& in, float* 
   __shared__ int warp_count[kPersistentThreads / 32];
   __shared__ int base;
   __syncthreads();  // the choices, for every thread
+  trace_mark(P, 0);
   const int n = P.batch * K;
   for (int i = threadIdx.x; i < n; i += blockDim.x) chosen[i] = P.route_e[i];
   if (threadIdx.x == 0) base = 0;
@@ -64,10 +65,12 @@ __device__ void expert_gate_up(const PProgram& P, const PInstr& in) {
   }
   float* xn = block_xn(P);
   norm_rows(P, P.layers[in.layer].ffn_norm, xn);
+  trace_mark(P, 0);
   float* mid = P.expert_mid;
   const int I = P.expert_rows, Pn = P.positions, p = in.c;
   tile_gated_rows<B, false>(G, U, in.a, in.b, xn, P.hidden, P.batch,
                             [&](int row, int b, float v) { mid[(size_t(b) * Pn + p) * I + row] = v; });
+  trace_mark(P, 1);
 }
 
 template <int B>
@@ -130,6 +133,7 @@ __device__ inline void expert_down(const PProgram& P, const PInstr& in, float* s
             if (row + r < r0 + n) part[(row + r - r0) * J + j] = j < K ? w * acc[r][0] : acc[r][0];
       }
       __syncthreads();
+      trace_mark(P, 0);
       for (int r = threadIdx.x; r < n; r += blockDim.x) {
         float total = 0.0f;
         for (int j = 0; j < J; ++j) total += part[r * J + j];

@@ -28,6 +28,7 @@ __device__ void norm_qkv(const PProgram& P, const PInstr& in, const uint8_t* sta
   const DLayer& L = P.layers[in.layer];
   float* xn = block_xn(P);
   norm_rows(P, L.attn_norm, xn);
+  trace_mark(P, 0);
   const int qr = P.heads * P.head_dim, kr = P.kv_heads * P.head_dim;
   const DLinear& W = in.a < qr ? L.q : in.a < qr + kr ? L.k : L.v;
   const int base = in.a < qr ? 0 : in.a < qr + kr ? qr : qr + kr;
@@ -36,6 +37,7 @@ __device__ void norm_qkv(const PProgram& P, const PInstr& in, const uint8_t* sta
   uint32_t at = 0;
   product_rows<B>(W, in.a - base, in.b - base, xn, P.hidden, P.batch, stage, &at,
                   [&](int row, int b, float v) { qkv[size_t(b) * stride + base + row] = v; });
+  trace_mark(P, 1);
 }
 
 template <int B>
@@ -44,6 +46,7 @@ __device__ void o_proj(const PProgram& P, const PInstr& in, const uint8_t* stage
   uint32_t at = 0;
   product_rows<B>(P.layers[in.layer].o, in.a, in.b, P.att, qr, P.batch, stage, &at,
                   [&](int row, int b, float v) { P.x[size_t(b) * P.hidden + row] += v; });
+  trace_mark(P, 0);
 }
 
 template <int B>
@@ -51,6 +54,7 @@ __device__ void norm_router(const PProgram& P, const PInstr& in, const uint8_t* 
   const DLayer& L = P.layers[in.layer];
   float* xn = block_xn(P);
   norm_rows(P, L.ffn_norm, xn);
+  trace_mark(P, 0);
   uint32_t at = 0;
   product_rows<B>(L.moe.router.w, in.a, in.b, xn, P.hidden, P.batch, stage, &at,
                   [&](int row, int b, float v) { P.router[size_t(b) * P.experts + row] = v; });

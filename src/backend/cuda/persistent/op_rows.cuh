@@ -24,6 +24,12 @@ __device__ __forceinline__ float* block_xn(const PProgram& P) {
   return P.xn + size_t(blockIdx.x) * 8 * P.hidden;
 }
 
+// Clocks of the running instruction's marks, by thread 0 when tracing (0: not reached).
+__shared__ long long trace_marks[kTraceMarks];
+__device__ __forceinline__ void trace_mark(const PProgram& P, int k) {
+  if (P.trace && threadIdx.x == 0) trace_marks[k] = clock64();
+}
+
 // The norm weights whose rows the block's scratch holds in this step (null at its start). A
 // norm's weights belong to one point of the step (layer l's attention or FFN input, the final
 // norm), and every tile that normalizes with them runs while the residual rows are the same

@@ -27,7 +27,6 @@ __device__ void run_instr(const PProgram& P, const PInstr& in, float* smem, cons
   switch (StepOp(in.op)) {
     case StepOp::Embed: return embed_rows(P);
     case StepOp::AttnNormQkv: return norm_qkv<B>(P, in, stage);
-    case StepOp::QkRopeStore: return qk_rope_store<T>(P, in, smem);
     case StepOp::AttnSplit: return attn_split<T>(P, in, smem);
     case StepOp::AttnCombine: return attn_combine(P, in, smem);
     case StepOp::OProj: return o_proj<B>(P, in, stage);
@@ -43,6 +42,15 @@ __device__ void run_instr(const PProgram& P, const PInstr& in, float* smem, cons
   }
 }
 
+// By thread 0: instruction i's times (PProgram::trace).
+__device__ __forceinline__ void write_trace(const PProgram& P, int32_t i, long long t0, long long t1) {
+  long long* t = P.trace + kTraceSlots * size_t(i);
+  t[0] = t0;
+  t[1] = t1 - t0;
+  t[2] = clock64() - t1;
+  for (int m = 0; m < kTraceMarks; ++m) t[3 + m] = trace_marks[m] ? trace_marks[m] - t1 : 0;
+}
+
 // One block per SM runs its queue. B: the batch rounded up to 1, 2, 4 or 8 (the products' token
 // count); T: the KV cache's values.
 template <int B, class T>
@@ -51,6 +59,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_step_kernel(
   uint8_t* const stage = reinterpret_cast<uint8_t*>(smem) + P.stage_offset;
   __shared__ uint32_t round;
   __shared__ int failed, staged_now;
+  __shared__ int32_t next_tail;
   __shared__ uint64_t stage_bar;
   uint32_t parity = 0;  // of stage_bar's phase the next staged instruction completes
   if (threadIdx.x == 0) {
@@ -68,10 +77,15 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_step_kernel(
     const PInstr in = P.instrs[i];
     long long t0 = 0, t1 = 0;
     if (P.trace && threadIdx.x == 0) t0 = clock64();
+    // The next split's cached rows (they wait on nothing) into the L2 by warp 0, during this one.
+    if (threadIdx.x < 32 && k + 1 < end) {
+      const PInstr next = P.instrs[P.queue[k + 1]];
+      if (StepOp(next.op) == StepOp::AttnSplit) attn_split_prefetch<T>(P, next, threadIdx.x);
+    }
     if (threadIdx.x == 0) {
       staged_now = stage_instr(P, i, stage, &stage_bar);  // the weights first: they wait on nothing
       if (k + kPrefetchAhead < end) prefetch_instr(P, P.queue[k + kPrefetchAhead]);
-      for (int w = 0; w < in.waits; ++w)
+      for (int w = 0; w < (in.waits & ~kTailSignal); ++w)
         if (!wait_counter(P.counters + in.wait[w], round * uint32_t(P.producers[in.wait[w]]), P.timeout_ns)) {
           atomicCAS(P.error, 0, i + 1);
           failed = 1;
@@ -86,16 +100,48 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_step_kernel(
       parity ^= 1u;
     }
     if (failed) return;
-    if (P.trace && threadIdx.x == 0) t1 = clock64();
+    if (P.trace && threadIdx.x == 0) {
+      for (int m = 0; m < kTraceMarks; ++m) trace_marks[m] = 0;
+      t1 = clock64();
+    }
     run_instr<B, T>(P, in, smem, staged_now ? stage : nullptr);
+    trace_mark(P, kTraceMarks - 1);
     __syncthreads();  // every thread's writes, then thread 0's release makes them visible with its count
-    if (threadIdx.x == 0) {
-      add_release(P.counters + in.signal, 1u);
-      if (P.trace) {
-        P.trace[3 * size_t(i)] = t0;
-        P.trace[3 * size_t(i) + 1] = t1 - t0;
-        P.trace[3 * size_t(i) + 2] = clock64() - t1;
+    // The count, then (where a tail waits on it) the tail of each counter this block completes
+    // (plan/step_plan.h).
+    int32_t done = i, signal = in.signal;
+    while (true) {
+      if (!(in.waits & kTailSignal) && done == i) {  // most tiles: no tail, no barrier
+        if (threadIdx.x == 0) {
+          add_release(P.counters + signal, 1u);
+          if (P.trace) write_trace(P, done, t0, t1);
+        }
+        break;
       }
+      if (threadIdx.x == 0) {
+        const int32_t tail = P.tail_of[signal];
+        if (tail < 0) {
+          add_release(P.counters + signal, 1u);
+          next_tail = -1;
+        } else {
+          const bool last = add_acq_rel(P.counters + signal, 1u) + 1u == round * uint32_t(P.producers[signal]);
+          next_tail = last ? tail : -1;
+        }
+        if (P.trace) write_trace(P, done, t0, t1);
+      }
+      __syncthreads();  // next_tail, and thread 0's acquire before the tail reads
+      const int32_t tail = next_tail;
+      if (tail < 0) break;
+      if (P.trace && threadIdx.x == 0) {
+        for (int m = 0; m < kTraceMarks; ++m) trace_marks[m] = 0;
+        t0 = t1 = clock64();
+      }
+      const PInstr tin = P.instrs[tail];
+      run_instr<B, T>(P, tin, smem, nullptr);
+      trace_mark(P, kTraceMarks - 1);
+      __syncthreads();
+      done = tail;
+      signal = tin.signal;
     }
   }
   if (threadIdx.x == 0) {
@@ -158,6 +204,8 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
   PProgram& P = d_->program;
 
   // Instructions and queues.
+  std::vector<char> tail_waits(p.counters.size(), 0);  // per counter: a tail waits on it
+  for (int32_t t : p.tails) tail_waits[size_t(p.instrs[size_t(t)].waits.at(0))] = 1;
   std::vector<PInstr> instrs;
   instrs.reserve(p.instrs.size());
   for (int32_t i = 0; i < int32_t(p.instrs.size()); ++i) {
@@ -167,6 +215,7 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
     PInstr o{};
     o.op = uint8_t(in.op);
     o.waits = uint8_t(in.waits.size());
+    if (!in.tail && tail_waits[size_t(in.signal)]) o.waits |= kTailSignal;
     o.layer = int16_t(in.layer);
     o.a = int32_t(in.a), o.b = int32_t(in.b), o.c = int32_t(in.c);
     for (size_t w = 0; w < in.waits.size(); ++w) o.wait[w] = in.waits[w];
@@ -178,13 +227,14 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
     queue.insert(queue.end(), q.begin(), q.end());
     begin.push_back(int32_t(queue.size()));
   }
-  std::vector<int32_t> producers;
+  std::vector<int32_t> producers, tail_of(p.counters.size(), -1);
   for (const StepCounter& k : p.counters) producers.push_back(k.producers);
+  for (int32_t t : p.tails) tail_of[size_t(p.instrs[size_t(t)].waits.at(0))] = t;
   // The ops' scratch in shared memory: the largest of their needs; the weight stage after it.
   const size_t H = size_t(p.hidden), G = size_t(p.heads / p.kv_heads), hd = size_t(p.head_dim);
   const int chunk_max = (kv.max_context() + int(p.splits) - 1) / int(p.splits);
   const size_t scratch =
-      (4 * std::max({size_t(kPersistentThreads / 32) * hd, G * hd + (G + 1) * size_t(chunk_max),
+      (4 * std::max({split_scratch_floats(int(G), int(hd), chunk_max),
                      size_t(8) * size_t(std::max<int64_t>(c.num_experts, 1) + 64), G * size_t(p.splits),
                      size_t(kDownRows) * size_t(c.experts_per_token + 1)}) + 127) & ~size_t(127);
   constexpr size_t kSmemMax = 227 << 10;
@@ -267,6 +317,7 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
   P.queue = device_copy(queue, owned);
   P.queue_begin = device_copy(begin, owned);
   P.producers = device_copy(producers, owned);
+  P.tail_of = device_copy(tail_of, owned);
   P.ranges = device_copy(ranges, owned);
   P.range_begin = device_copy(range_begin, owned);
   P.counters = device_zeros<uint32_t>(producers.size(), owned);
@@ -298,7 +349,7 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
   P.head_dim = int(p.head_dim);
   P.qkv_rows = int(p.qkv_rows);
   P.splits = int(p.splits);
-  P.chunk_max = (kv.max_context() + P.splits - 1) / P.splits;
+  P.chunk_max = chunk_max;
   P.positions = int(p.expert_positions);
   P.expert_rows = int(p.expert_rows);
   P.shared_rows = int(p.shared_rows);
@@ -361,12 +412,12 @@ void PersistentStep::run(cudaStream_t s) {
 std::vector<PersistentStep::OpTime> PersistentStep::trace(cudaStream_t s) {
   const size_t n = plan_.instrs.size();
   long long* buf = nullptr;
-  KESTREL_CUDA_CHECK(cudaMalloc(&buf, n * 3 * sizeof(long long)));
-  KESTREL_CUDA_CHECK(cudaMemsetAsync(buf, 0, n * 3 * sizeof(long long), s));
+  KESTREL_CUDA_CHECK(cudaMalloc(&buf, n * kTraceSlots * sizeof(long long)));
+  KESTREL_CUDA_CHECK(cudaMemsetAsync(buf, 0, n * kTraceSlots * sizeof(long long), s));
   d_->program.trace = buf;
   run(s);
   d_->program.trace = nullptr;
-  std::vector<long long> t(n * 3);
+  std::vector<long long> t(n * kTraceSlots);
   KESTREL_CUDA_CHECK(cudaMemcpyAsync(t.data(), buf, t.size() * sizeof(long long), cudaMemcpyDeviceToHost, s));
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
   KESTREL_CUDA_CHECK(cudaFree(buf));
@@ -376,8 +427,11 @@ std::vector<PersistentStep::OpTime> PersistentStep::trace(cudaStream_t s) {
   for (size_t i = 0; i < n; ++i) {
     OpTime& o = out[size_t(plan_.instrs[i].op)];
     ++o.tiles;
-    o.wait_cycles += double(t[3 * i + 1]);
-    o.run_cycles += double(t[3 * i + 2]);
+    const long long* ti = t.data() + kTraceSlots * i;
+    o.wait_cycles += double(ti[1]);
+    o.run_cycles += double(ti[2]);
+    for (int m = 0; m < kTraceMarks; ++m)
+      if (ti[3 + m] > 0) o.mark_cycles[size_t(m)] += double(ti[3 + m]), ++o.marked[size_t(m)];
   }
   std::erase_if(out, [](const OpTime& o) { return o.tiles == 0; });
   return out;

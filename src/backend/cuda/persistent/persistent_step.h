@@ -7,11 +7,13 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <array>
 #include <memory>
 #include <vector>
 
 #include "backend/cuda/decoder.h"
 #include "backend/cuda/device_model.h"
+#include "backend/cuda/persistent/program.h"
 #include "plan/step_plan.h"
 
 namespace kestrel::cuda {
@@ -39,6 +41,10 @@ class PersistentStep {
     StepOp op{};
     int tiles = 0;
     double wait_cycles = 0, run_cycles = 0;  // summed over the op's instructions
+    // Cycles from a tile's start to each of the op's marks (trace_mark), summed over the tiles
+    // that reached it, and how many did.
+    std::array<double, kTraceMarks> mark_cycles{};
+    std::array<int, kTraceMarks> marked{};
   };
   std::vector<OpTime> trace(cudaStream_t s);
   const float* logits() const { return logits_; }  // [batch, vocab], device memory

@@ -10,13 +10,14 @@
 
 namespace kestrel::cuda {
 
+constexpr uint8_t kTailSignal = 0x80;
 constexpr int kMaxWaits = 3;          // waits per instruction (the plans need at most 2)
 constexpr int kPersistentThreads = 256;
 constexpr int kMaxHeadDim = 256;      // GQA heads the attention ops take
 
 struct PInstr {
   uint8_t op;      // StepOp
-  uint8_t waits;   // how many of wait[] are used
+  uint8_t waits;   // how many of wait[] are used, | kTailSignal when a tail waits on `signal`
   int16_t layer;   // -1 outside the layers
   int32_t a, b, c; // the tile (StepInstr)
   int32_t wait[kMaxWaits];
@@ -33,6 +34,8 @@ struct PRange {
   uint32_t stage;
 };
 
+constexpr int kTraceMarks = 5;               // points inside an op that the trace times (the last: it returned)
+constexpr int kTraceSlots = 3 + kTraceMarks;
 constexpr int kPrefetchAhead = 2;             // instructions of its queue a block asks the L2 for ahead
 constexpr uint32_t kStageBytes = 112 << 10;   // a block's stage for one instruction's weights
 
@@ -42,6 +45,7 @@ struct PProgram {
   const int32_t* queue = nullptr;
   const int32_t* queue_begin = nullptr;
   const int32_t* producers = nullptr;  // per counter: tiles that advance it per step
+  const int32_t* tail_of = nullptr;    // per counter: the tail its last producer runs, or -1
   const PRange* ranges = nullptr;      // the instructions' fixed weight ranges: instruction i's are
   const int32_t* range_begin = nullptr;  // ranges[range_begin[i] .. range_begin[i + 1])
   uint32_t* counters = nullptr;        // count up across steps, never reset
@@ -49,8 +53,9 @@ struct PProgram {
   uint32_t* blocks_done = nullptr;     // blocks finished in this step (back to 0 by the last)
   int32_t* error = nullptr;            // 1 + the first instruction that timed out waiting, 0 if none
   long long timeout_ns = 2000000000;
-  // When set, per instruction: the SM clock when its waits began, the cycles it waited and the
-  // cycles it ran (PersistentStep::trace).
+  // When set, per instruction (kTraceSlots apart): the SM clock when its waits began, the cycles
+  // it waited, the cycles it ran, and the cycles from its start to each of its op's marks (0 where
+  // the op has none; PersistentStep::trace).
   long long* trace = nullptr;
   uint32_t stage_offset = 0;           // of the weight stage in dynamic shared memory
   uint32_t xn_offset = kNotStaged;     // of the normalized rows there, or kNotStaged: in xn
