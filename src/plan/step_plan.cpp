@@ -72,6 +72,12 @@ double StepPlan::weight_bytes() const {
   return b;
 }
 
+std::vector<int32_t> StepPlan::tail_of_counters() const {
+  std::vector<int32_t> out(counters.size(), -1);
+  for (int32_t t : tails) out.at(size_t(instrs.at(size_t(t)).waits.at(0))) = t;
+  return out;
+}
+
 double StepPlan::cache_bytes() const {
   double b = 0;
   for (const StepInstr& i : instrs) b += i.cache_bytes;

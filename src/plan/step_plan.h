@@ -127,6 +127,7 @@ struct StepPlan {
   std::vector<int32_t> tails;                // the tails, in program order
 
   double weight_bytes() const;
+  std::vector<int32_t> tail_of_counters() const;  // per counter: the tail that waits on it, or -1
   double cache_bytes() const;
 };
 

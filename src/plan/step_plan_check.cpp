@@ -132,8 +132,7 @@ std::vector<int32_t> simulate_step_plan(const StepPlan& p, uint64_t seed) {
   const size_t S = p.queues.size();
   std::vector<int32_t> value(p.counters.size(), 0), order;
   std::vector<size_t> head(S, 0);
-  std::vector<int32_t> tail_of(p.counters.size(), -1);
-  for (int32_t t : p.tails) tail_of[size_t(p.instrs[size_t(t)].waits.at(0))] = t;
+  const std::vector<int32_t> tail_of = p.tail_of_counters();
   std::mt19937_64 rng(seed);
   auto ready = [&](size_t sm) {
     if (head[sm] >= p.queues[sm].size()) return false;

@@ -78,14 +78,11 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_step_kernel(
     long long t0 = 0, t1 = 0;
     if (P.trace && threadIdx.x == 0) t0 = clock64();
     // The next split's cached rows (they wait on nothing) into the L2 by warp 0, during this one.
-    if (threadIdx.x < 32 && k + 1 < end) {
-      const PInstr next = P.instrs[P.queue[k + 1]];
-      if (StepOp(next.op) == StepOp::AttnSplit) attn_split_prefetch<T>(P, next, threadIdx.x);
-    }
+    if ((in.waits & kSplitNext) && threadIdx.x < 32) attn_split_prefetch<T>(P, P.instrs[P.queue[k + 1]], threadIdx.x);
     if (threadIdx.x == 0) {
       staged_now = stage_instr(P, i, stage, &stage_bar);  // the weights first: they wait on nothing
       if (k + kPrefetchAhead < end) prefetch_instr(P, P.queue[k + kPrefetchAhead]);
-      for (int w = 0; w < (in.waits & ~kTailSignal); ++w)
+      for (int w = 0; w < (in.waits & kWaitCount); ++w)
         if (!wait_counter(P.counters + in.wait[w], round * uint32_t(P.producers[in.wait[w]]), P.timeout_ns)) {
           atomicCAS(P.error, 0, i + 1);
           failed = 1;
@@ -107,17 +104,16 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_step_kernel(
     run_instr<B, T>(P, in, smem, staged_now ? stage : nullptr);
     trace_mark(P, kTraceMarks - 1);
     __syncthreads();  // every thread's writes, then thread 0's release makes them visible with its count
-    // The count, then (where a tail waits on it) the tail of each counter this block completes
-    // (plan/step_plan.h).
+    if (!(in.waits & kTailSignal)) {  // most tiles: the count, no tail, no barrier
+      if (threadIdx.x == 0) {
+        add_release(P.counters + in.signal, 1u);
+        if (P.trace) write_trace(P, i, t0, t1);
+      }
+      continue;
+    }
+    // The count, then the tail of each counter this block completes (plan/step_plan.h).
     int32_t done = i, signal = in.signal;
     while (true) {
-      if (!(in.waits & kTailSignal) && done == i) {  // most tiles: no tail, no barrier
-        if (threadIdx.x == 0) {
-          add_release(P.counters + signal, 1u);
-          if (P.trace) write_trace(P, done, t0, t1);
-        }
-        break;
-      }
       if (threadIdx.x == 0) {
         const int32_t tail = P.tail_of[signal];
         if (tail < 0) {
@@ -204,8 +200,7 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
   PProgram& P = d_->program;
 
   // Instructions and queues.
-  std::vector<char> tail_waits(p.counters.size(), 0);  // per counter: a tail waits on it
-  for (int32_t t : p.tails) tail_waits[size_t(p.instrs[size_t(t)].waits.at(0))] = 1;
+  const std::vector<int32_t> tail_of = p.tail_of_counters();
   std::vector<PInstr> instrs;
   instrs.reserve(p.instrs.size());
   for (int32_t i = 0; i < int32_t(p.instrs.size()); ++i) {
@@ -215,7 +210,11 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
     PInstr o{};
     o.op = uint8_t(in.op);
     o.waits = uint8_t(in.waits.size());
-    if (!in.tail && tail_waits[size_t(in.signal)]) o.waits |= kTailSignal;
+    if (!in.tail) {  // a tail's flags would not be read: it never comes from a queue
+      const std::vector<int32_t>& q = p.queues[size_t(in.sm)];
+      if (tail_of[size_t(in.signal)] >= 0) o.waits |= kTailSignal;
+      if (size_t(in.slot) + 1 < q.size() && p.instrs[size_t(q[size_t(in.slot) + 1])].op == StepOp::AttnSplit) o.waits |= kSplitNext;
+    }
     o.layer = int16_t(in.layer);
     o.a = int32_t(in.a), o.b = int32_t(in.b), o.c = int32_t(in.c);
     for (size_t w = 0; w < in.waits.size(); ++w) o.wait[w] = in.waits[w];
@@ -227,9 +226,8 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
     queue.insert(queue.end(), q.begin(), q.end());
     begin.push_back(int32_t(queue.size()));
   }
-  std::vector<int32_t> producers, tail_of(p.counters.size(), -1);
+  std::vector<int32_t> producers;
   for (const StepCounter& k : p.counters) producers.push_back(k.producers);
-  for (int32_t t : p.tails) tail_of[size_t(p.instrs[size_t(t)].waits.at(0))] = t;
   // The ops' scratch in shared memory: the largest of their needs; the weight stage after it.
   const size_t H = size_t(p.hidden), G = size_t(p.heads / p.kv_heads), hd = size_t(p.head_dim);
   const int chunk_max = (kv.max_context() + int(p.splits) - 1) / int(p.splits);

@@ -10,14 +10,15 @@
 
 namespace kestrel::cuda {
 
-constexpr uint8_t kTailSignal = 0x80;
+constexpr uint8_t kTailSignal = 0x80, kSplitNext = 0x40, kWaitCount = 0x3f;
 constexpr int kMaxWaits = 3;          // waits per instruction (the plans need at most 2)
 constexpr int kPersistentThreads = 256;
 constexpr int kMaxHeadDim = 256;      // GQA heads the attention ops take
 
 struct PInstr {
   uint8_t op;      // StepOp
-  uint8_t waits;   // how many of wait[] are used, | kTailSignal when a tail waits on `signal`
+  uint8_t waits;   // how many of wait[] are used, | kTailSignal when a tail waits on `signal`,
+                   // | kSplitNext when the next instruction of the queue is an attention split
   int16_t layer;   // -1 outside the layers
   int32_t a, b, c; // the tile (StepInstr)
   int32_t wait[kMaxWaits];
