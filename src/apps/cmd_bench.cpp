@@ -553,8 +553,9 @@ int run_bench(const Options* o) {
         float ms;
         cudaEventElapsedTime(&ms, e0, e1);
         const double pm = double(ms) / o->steps;
-        std::printf("%6s persistent step: %.3f ms (%.2f x floor, %zu instructions on %d SMs, %lld with staged weights)\n", "",
-                    pm, pm / floor_ms, ps.plan().instrs.size(), po.sms, (long long)ps.staged_instructions());
+        std::printf("%6s persistent step: %.3f ms (%.2f x floor, %zu instructions on %d SMs, %lld with staged weights, %lld on tensor cores)\n",
+                    "", pm, pm / floor_ms, ps.plan().instrs.size(), po.sms, (long long)ps.staged_instructions(),
+                    (long long)ps.tensor_core_tiles());
         results.back()["persistent_ms"] = pm;
         // Where the SMs' time goes, per op: cycles running and waiting, summed over its tiles and
         // spread over the SMs (at the device's rated clock).

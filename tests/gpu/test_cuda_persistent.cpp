@@ -1,5 +1,6 @@
 // The persistent decode step (backend/cuda/persistent) against the launched step and the CPU:
-// every GQA fixture family at 1, 3 and 8 sequences, a plan with fewer queues than SMs, steps back
+// every GQA fixture family at 1, 3 and 8 sequences, the first layers of real shapes with random
+// weights (the tensor-core tiles), a plan with fewer queues than SMs, steps back
 // to back (the counters count up across steps), a graph replay, and a broken plan that must time
 // out naming its instruction instead of hanging.
 #include <gtest/gtest.h>
@@ -13,6 +14,7 @@
 #include "backend/cuda/decoder.h"
 #include "backend/cuda/device_model.h"
 #include "backend/cuda/persistent/persistent_step.h"
+#include "formats/json_file.h"
 #include "model/weights.h"
 #include "plan/step_plan.h"
 
@@ -102,6 +104,55 @@ TEST_P(CudaPersistentTest, MatchesTheLaunchedStepAndTheCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Families, CudaPersistentTest, ::testing::ValuesIn(test::gqa_fixture_names()),
                          test::fixture_test_name);
+
+// The first layers of real shapes with random weights, whose rows are long enough for the
+// tensor-core tiles (the fixtures' are not): the persistent step against the launched one at 1,
+// 2, 4 and 8 sequences, over a few steps.
+TEST(CudaPersistentRandom, RealShapesMatchTheLaunchedStep) {
+  for (const char* name : {"qwen3-30b-a3b-nvfp4", "glm-4.5-air-nvfp4"}) {
+    SCOPED_TRACE(name);
+    const std::string path = std::string(KESTREL_FIXTURES) + "/../../configs/" + name + ".json";
+    ModelConfig c = parse_model_config_and_quant(read_json_file(path), path);
+    c.num_layers = 3;  // GLM-4.5-Air: one dense layer, then two with routed and shared experts
+    c.moe_layer.resize(3);
+    const auto dm = cuda::DeviceModel::random(c);
+    const int64_t V = c.vocab_size;
+    for (int batch : {1, 2, 4, 8}) {
+      SCOPED_TRACE("batch " + std::to_string(batch));
+      const int steps = 3;
+      cuda::Decoder dec(*dm, batch, 8);
+      StepPlanOptions o;
+      o.batch = batch;
+      o.sms = device_sms();
+      o.context = 8;
+      cuda::PersistentStep ps(*dm, dec, make_step_plan(c, o));
+      if (batch <= 2) {
+        EXPECT_GT(ps.tensor_core_tiles(), 0);
+      }
+      double worst = 0;
+      for (int t = 0; t < steps; ++t) {
+        std::vector<int32_t> tokens, positions;
+        for (int b = 0; b < batch; ++b) {
+          tokens.push_back(int32_t((int64_t(b) * 7919 + 31 * t + 5) % V));
+          positions.push_back(t);
+        }
+        set_inputs(dec, tokens, positions);
+        dec.step(batch, nullptr);
+        const auto launched = copy_back(dec.logits(), size_t(batch * V));
+        ps.run(nullptr);
+        const auto got = copy_back(ps.logits(), size_t(batch * V));
+        ps.check();
+        for (int b = 0; b < batch; ++b) {
+          const double e = test::rel_l2(got.data() + b * V, launched.data() + b * V, V);
+          EXPECT_LE(e, kVsLaunched) << "step " << t << " sequence " << b;
+          worst = std::max(worst, e);
+        }
+      }
+      std::printf("  random %s, 3 layers, batch %d: %lld of %zu tiles on tensor cores, worst rel L2 %.2e vs launched\n",
+                  name, batch, (long long)ps.tensor_core_tiles(), ps.plan().instrs.size(), worst);
+    }
+  }
+}
 
 // Replayed from a CUDA graph the step gives the same logits as launched directly.
 TEST(CudaPersistent, GraphReplay) {

@@ -52,24 +52,46 @@ __device__ inline void route_tokens(const PProgram& P, const PInstr& in, float* 
   for (int p = base + int(threadIdx.x); p < P.positions; p += blockDim.x) P.position_expert[p] = -1;
 }
 
+// One expert position's gate/up rows [a, b): the expert is known once the route ran, so its rows
+// come after the wait, into the stage by bulk copies while the block normalizes (tensor cores),
+// or where the tile does not fit the stage or the tensor-core tiles, from the L2 as they are read.
+// bar/parity: the stage's barrier and the phase it completes next (the caller's, flipped here).
 template <int B>
-__device__ void expert_gate_up(const PProgram& P, const PInstr& in) {
+__device__ void expert_gate_up(const PProgram& P, const PInstr& in, uint8_t* stage, uint64_t* bar, uint32_t& parity) {
   const int e = P.position_expert[in.c];
   if (e < 0) return;
   const DMoe& m = P.layers[in.layer].moe;
   const DLinear& G = m.gate[e - m.first_expert];
   const DLinear& U = m.up[e - m.first_expert];
-  if (threadIdx.x == 0) {
-    bulk_prefetch_rows(G, in.a, in.b);
-    bulk_prefetch_rows(U, in.a, in.b);
+  uint32_t at = 0;
+  const StagedRows sg = stage_rows(G, in.a, in.b, &at, B), su = stage_rows(U, in.a, in.b, &at, B);
+  const bool mma = mma_tile_fits(G, B) && mma_tile_fits(U, B) && G.in == U.in && at <= P.stage_bytes;
+  if (threadIdx.x < 32) {
+    if (mma) {
+      const uint32_t bytes = 2u * uint32_t(in.b - in.a) * uint32_t(G.in / 2 + G.in / 16);  // copied: the rows, not the padding
+      stage_matrix(G, in.a, in.b, sg, stage, bar, bytes, threadIdx.x);
+      stage_matrix(U, in.a, in.b, su, stage, bar, 0, threadIdx.x);
+    } else if (threadIdx.x == 0) {
+      bulk_prefetch_rows(G, in.a, in.b);
+      bulk_prefetch_rows(U, in.a, in.b);
+    }
   }
   float* xn = block_xn(P);
-  norm_rows(P, P.layers[in.layer].ffn_norm, xn);
+  norm_rows(P, P.layers[in.layer].ffn_norm, ffn_norm_point(in.layer), xn);
   trace_mark(P, 0);
   float* mid = P.expert_mid;
   const int I = P.expert_rows, Pn = P.positions, p = in.c;
-  tile_gated_rows<B, false>(G, U, in.a, in.b, xn, P.hidden, P.batch,
-                            [&](int row, int b, float v) { mid[(size_t(b) * Pn + p) * I + row] = v; });
+  const RowsOut out{mid + size_t(p) * I, int64_t(Pn) * I, 0};
+  if (mma) {
+    mbar_wait(bar, parity);
+    parity ^= 1u;
+    trace_mark(P, 2);
+    const DLinear w[2] = {G, U};
+    const StagedRows st[2] = {sg, su};
+    mma_rows<2, B>(w, st, stage, in.a, in.b, xn, P.hidden, P.batch, block_frag(P), persistent_smem, out);
+  } else {
+    tile_gated_rows<B, false>(G, U, in.a, in.b, xn, P.hidden, P.batch, out);
+  }
   trace_mark(P, 1);
 }
 
@@ -77,11 +99,10 @@ template <int B>
 __device__ void shared_gate_up(const PProgram& P, const PInstr& in, const uint8_t* stage) {
   const DMoe& m = P.layers[in.layer].moe;
   float* xn = block_xn(P);
-  norm_rows(P, P.layers[in.layer].ffn_norm, xn);
+  norm_rows(P, P.layers[in.layer].ffn_norm, ffn_norm_point(in.layer), xn);
   const int S = P.shared_rows;
   uint32_t at = 0;
-  product_gated_rows<B>(m.shared_gate, m.shared_up, in.a, in.b, xn, P.hidden, P.batch, stage, &at,
-                        [&](int row, int b, float v) { P.shared_mid[size_t(b) * S + row] = v; });
+  product_gated_rows<B>(P, m.shared_gate, m.shared_up, in.a, in.b, xn, P.hidden, stage, &at, RowsOut{P.shared_mid, S, 0});
 }
 
 // Rows [a, b) of x += sum over the token's experts (index order) of weight * down(mid) + shared

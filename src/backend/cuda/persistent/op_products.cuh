@@ -27,7 +27,7 @@ template <int B>
 __device__ void norm_qkv(const PProgram& P, const PInstr& in, const uint8_t* stage) {
   const DLayer& L = P.layers[in.layer];
   float* xn = block_xn(P);
-  norm_rows(P, L.attn_norm, xn);
+  norm_rows(P, L.attn_norm, attn_norm_point(in.layer), xn);
   trace_mark(P, 0);
   const int qr = P.heads * P.head_dim, kr = P.kv_heads * P.head_dim;
   const DLinear& W = in.a < qr ? L.q : in.a < qr + kr ? L.k : L.v;
@@ -35,8 +35,7 @@ __device__ void norm_qkv(const PProgram& P, const PInstr& in, const uint8_t* sta
   float* qkv = P.qkv;
   const int stride = P.qkv_rows;
   uint32_t at = 0;
-  product_rows<B>(W, in.a - base, in.b - base, xn, P.hidden, P.batch, stage, &at,
-                  [&](int row, int b, float v) { qkv[size_t(b) * stride + base + row] = v; });
+  product_rows<B>(P, W, in.a - base, in.b - base, xn, P.hidden, stage, &at, RowsOut{qkv + base, stride, 0});
   trace_mark(P, 1);
 }
 
@@ -44,8 +43,7 @@ template <int B>
 __device__ void o_proj(const PProgram& P, const PInstr& in, const uint8_t* stage) {
   const int qr = P.heads * P.head_dim;
   uint32_t at = 0;
-  product_rows<B>(P.layers[in.layer].o, in.a, in.b, P.att, qr, P.batch, stage, &at,
-                  [&](int row, int b, float v) { P.x[size_t(b) * P.hidden + row] += v; });
+  product_rows<B>(P, P.layers[in.layer].o, in.a, in.b, P.att, qr, stage, &at, RowsOut{P.x, P.hidden, 1});
   trace_mark(P, 0);
 }
 
@@ -53,34 +51,31 @@ template <int B>
 __device__ void norm_router(const PProgram& P, const PInstr& in, const uint8_t* stage) {
   const DLayer& L = P.layers[in.layer];
   float* xn = block_xn(P);
-  norm_rows(P, L.ffn_norm, xn);
+  norm_rows(P, L.ffn_norm, ffn_norm_point(in.layer), xn);
   trace_mark(P, 0);
   uint32_t at = 0;
-  product_rows<B>(L.moe.router.w, in.a, in.b, xn, P.hidden, P.batch, stage, &at,
-                  [&](int row, int b, float v) { P.router[size_t(b) * P.experts + row] = v; });
+  product_rows<B>(P, L.moe.router.w, in.a, in.b, xn, P.hidden, stage, &at, RowsOut{P.router, P.experts, 0});
 }
 
 template <int B>
 __device__ void mlp_gate_up(const PProgram& P, const PInstr& in, const uint8_t* stage) {
   const DLayer& L = P.layers[in.layer];
   float* xn = block_xn(P);
-  norm_rows(P, L.ffn_norm, xn);
+  norm_rows(P, L.ffn_norm, ffn_norm_point(in.layer), xn);
   uint32_t at = 0;
-  product_gated_rows<B>(L.gate, L.up, in.a, in.b, xn, P.hidden, P.batch, stage, &at,
-                        [&](int row, int b, float v) { P.mid[size_t(b) * P.mlp_rows + row] = v; });
+  product_gated_rows<B>(P, L.gate, L.up, in.a, in.b, xn, P.hidden, stage, &at, RowsOut{P.mid, P.mlp_rows, 0});
 }
 
 template <int B>
 __device__ void mlp_down(const PProgram& P, const PInstr& in, const uint8_t* stage) {
   uint32_t at = 0;
-  product_rows<B>(P.layers[in.layer].down, in.a, in.b, P.mid, P.mlp_rows, P.batch, stage, &at,
-                  [&](int row, int b, float v) { P.x[size_t(b) * P.hidden + row] += v; });
+  product_rows<B>(P, P.layers[in.layer].down, in.a, in.b, P.mid, P.mlp_rows, stage, &at, RowsOut{P.x, P.hidden, 1});
 }
 
 template <int B>
 __device__ void head_logits(const PProgram& P, const PInstr& in) {
   float* xn = block_xn(P);
-  norm_rows(P, P.final_norm, xn);
+  norm_rows(P, P.final_norm, kFinalNormPoint, xn);
   tile_rows<B, false>(P.lm_head, in.a, in.b, xn, P.hidden, P.batch,
                [&](int row, int b, float v) { P.logits[size_t(b) * P.vocab + row] = v; });
 }

@@ -4,6 +4,7 @@
 // row over several matrices without a barrier).
 #pragma once
 #include "backend/cuda/dequant.cuh"
+#include "backend/cuda/persistent/op_mma.cuh"
 #include "backend/cuda/persistent/program.h"
 #include "backend/cuda/persistent/weights.cuh"
 #include "backend/cuda/reduce.cuh"
@@ -30,22 +31,27 @@ __device__ __forceinline__ void trace_mark(const PProgram& P, int k) {
   if (P.trace && threadIdx.x == 0) trace_marks[k] = clock64();
 }
 
-// The norm weights whose rows the block's scratch holds in this step (null at its start). A
-// norm's weights belong to one point of the step (layer l's attention or FFN input, the final
-// norm), and every tile that normalizes with them runs while the residual rows are the same
-// (they wait for all its writers, and its next writers wait for them), so a block that holds
-// them need not normalize again.
-__shared__ const float* xn_of;
+// The point of the step whose normalized rows the block's scratch holds (kNoNormPoint at its
+// start): 2l for layer l's attention input, 2l + 1 for its FFN input, -1 for the final norm. Every
+// tile that normalizes at one point runs while the residual rows are the same (they wait for all
+// its writers, and its next writers wait for them), so a block that holds them need not
+// normalize again. Keyed by the point, not the weights: models may share one norm vector
+// between points (random-weight models do), and the residual differs between them.
+constexpr int kNoNormPoint = -1000000;
+__device__ __forceinline__ int attn_norm_point(int layer) { return 2 * layer; }
+__device__ __forceinline__ int ffn_norm_point(int layer) { return 2 * layer + 1; }
+constexpr int kFinalNormPoint = -1;
+__shared__ int xn_point;
 
-// xn[b] = RMSNorm(x[b]) * w for the batch's rows, unless the scratch holds them already; ends
-// with a barrier.
-__device__ __forceinline__ void norm_rows(const PProgram& P, const float* w, float* xn) {
-  if (xn_of == w) return;
+// xn[b] = RMSNorm(x[b]) * w for the batch's rows at `point`, unless the scratch holds them
+// already; ends with a barrier.
+__device__ __forceinline__ void norm_rows(const PProgram& P, const float* w, int point, float* xn) {
+  if (xn_point == point) return;
   __shared__ float red[32];
   float4 g[kRowNormPer];
   row_norm_weights(w, P.hidden, g);
   for (int b = 0; b < P.batch; ++b) block_rms_norm(P.x + size_t(b) * P.hidden, g, P.hidden, P.eps, xn + size_t(b) * P.hidden, red);
-  if (threadIdx.x == 0) xn_of = w;
+  if (threadIdx.x == 0) xn_point = point;
   __syncthreads();
 }
 
@@ -98,36 +104,45 @@ __device__ __forceinline__ void tile_gated_rows(const DLinear& G, const DLinear&
         for (int b = 0; b < B; ++b)
           if (b < batch) {
             const float gv = g[r][b] + (G.bias ? G.bias[row + r] : 0.0f), uv = u[r][b] + (U.bias ? U.bias[row + r] : 0.0f);
-            out(row + r, b, gv / (1.0f + expf(-gv)) * uv);
+            out(row + r, b, silu_times(gv, uv));
           }
       }
   }
 }
 
-// Rows [r0, r1) of W as tile_rows computes them, read from the stage when the instruction is
-// staged (stage not null; *at: where the op's next matrix sits in it, weights.cuh).
-template <int B, class Out>
-__device__ __forceinline__ void product_rows(const DLinear& W, int r0, int r1, const float* x, int ldx, int batch,
-                                             const uint8_t* stage, uint32_t* at, Out out) {
-  if (stage) {
-    const StagedRows s = stage_rows(W, r0, r1, at);
-    tile_rows<B, true>(staged(W, r0, r1, stage, s), r0, r1, x, ldx, batch, out);
-  } else {
-    tile_rows<B, false>(W, r0, r1, x, ldx, batch, out);
-  }
+__device__ __forceinline__ uint32_t* block_frag(const PProgram& P) {
+  return reinterpret_cast<uint32_t*>(persistent_smem) + P.frag_offset / 4;
 }
 
-// The same for gate and up rows (staged gate first, then up).
-template <int B, class Out>
-__device__ __forceinline__ void product_gated_rows(const DLinear& G, const DLinear& U, int r0, int r1, const float* x,
-                                                   int ldx, int batch, const uint8_t* stage, uint32_t* at, Out out) {
-  if (stage) {
-    const StagedRows sg = stage_rows(G, r0, r1, at);
-    const StagedRows su = stage_rows(U, r0, r1, at);
-    tile_gated_rows<B, true>(staged(G, r0, r1, stage, sg), staged(U, r0, r1, stage, su), r0, r1, x, ldx, batch, out);
-  } else {
-    tile_gated_rows<B, false>(G, U, r0, r1, x, ldx, batch, out);
+// Rows [r0, r1) of W for the batch's tokens: from the stage when the instruction is staged (stage
+// not null; *at: where the op's next matrix sits in it, weights.cuh), on tensor cores where the
+// tile fits them (op_mma.cuh), else as tile_rows computes them.
+template <int B>
+__device__ __forceinline__ void product_rows(const PProgram& P, const DLinear& W, int r0, int r1, const float* x, int ldx,
+                                             const uint8_t* stage, uint32_t* at, RowsOut out) {
+  if (!stage) return tile_rows<B, false>(W, r0, r1, x, ldx, P.batch, out);
+  const StagedRows s = stage_rows(W, r0, r1, at, B);
+  if (mma_tile_fits(W, B)) {
+    const DLinear w[1] = {W};
+    const StagedRows st[1] = {s};
+    return mma_rows<1, B>(w, st, stage, r0, r1, x, ldx, P.batch, block_frag(P), persistent_smem, out);
   }
+  tile_rows<B, true>(staged(W, r0, r1, stage, s), r0, r1, x, ldx, P.batch, out);
+}
+
+// The same for gate and up rows: out(row, b, silu(gate) * up) (staged gate first, then up).
+template <int B>
+__device__ __forceinline__ void product_gated_rows(const PProgram& P, const DLinear& G, const DLinear& U, int r0, int r1,
+                                                   const float* x, int ldx, const uint8_t* stage, uint32_t* at, RowsOut out) {
+  if (!stage) return tile_gated_rows<B, false>(G, U, r0, r1, x, ldx, P.batch, out);
+  const StagedRows sg = stage_rows(G, r0, r1, at, B);
+  const StagedRows su = stage_rows(U, r0, r1, at, B);
+  if (mma_tile_fits(G, B) && mma_tile_fits(U, B) && G.in == U.in) {
+    const DLinear w[2] = {G, U};
+    const StagedRows st[2] = {sg, su};
+    return mma_rows<2, B>(w, st, stage, r0, r1, x, ldx, P.batch, block_frag(P), persistent_smem, out);
+  }
+  tile_gated_rows<B, true>(staged(G, r0, r1, stage, sg), staged(U, r0, r1, stage, su), r0, r1, x, ldx, P.batch, out);
 }
 
 }  // namespace kestrel::cuda

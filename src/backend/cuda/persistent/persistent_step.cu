@@ -21,22 +21,25 @@ namespace {
 
 static_assert(std::is_trivially_copyable_v<DLayer>, "layers are copied to the device as they are");
 
-// stage: the instruction's weights in shared memory, or null (weights.cuh).
+// staged: the instruction's weights in the stage (weights.cuh), else null. The expert tiles
+// fill the stage themselves (bar, parity: its barrier and the phase it completes next).
 template <int B, class T>
-__device__ void run_instr(const PProgram& P, const PInstr& in, float* smem, const uint8_t* stage) {
+__device__ void run_instr(const PProgram& P, const PInstr& in, float* smem, const uint8_t* staged, uint8_t* stage,
+                          uint64_t* bar, uint32_t& parity) {
+  const uint8_t* const st = staged;
   switch (StepOp(in.op)) {
     case StepOp::Embed: return embed_rows(P);
-    case StepOp::AttnNormQkv: return norm_qkv<B>(P, in, stage);
+    case StepOp::AttnNormQkv: return norm_qkv<B>(P, in, st);
     case StepOp::AttnSplit: return attn_split<T>(P, in, smem);
     case StepOp::AttnCombine: return attn_combine(P, in, smem);
-    case StepOp::OProj: return o_proj<B>(P, in, stage);
-    case StepOp::FfnNormRouter: return norm_router<B>(P, in, stage);
+    case StepOp::OProj: return o_proj<B>(P, in, st);
+    case StepOp::FfnNormRouter: return norm_router<B>(P, in, st);
     case StepOp::Route: return route_tokens(P, in, smem);
-    case StepOp::ExpertGateUp: return expert_gate_up<B>(P, in);
-    case StepOp::SharedGateUp: return shared_gate_up<B>(P, in, stage);
+    case StepOp::ExpertGateUp: return expert_gate_up<B>(P, in, stage, bar, parity);
+    case StepOp::SharedGateUp: return shared_gate_up<B>(P, in, st);
     case StepOp::ExpertDown: return expert_down(P, in, smem);
-    case StepOp::MlpGateUp: return mlp_gate_up<B>(P, in, stage);
-    case StepOp::MlpDown: return mlp_down<B>(P, in, stage);
+    case StepOp::MlpGateUp: return mlp_gate_up<B>(P, in, st);
+    case StepOp::MlpDown: return mlp_down<B>(P, in, st);
     case StepOp::HeadNormLogits: return head_logits<B>(P, in);
     default: return;  // MLA's ops: refused when the plan is uploaded
   }
@@ -65,7 +68,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_step_kernel(
   if (threadIdx.x == 0) {
     round = *P.epoch + 1;
     failed = 0;
-    xn_of = nullptr;
+    xn_point = kNoNormPoint;
     mbar_init(&stage_bar);
   }
   __syncthreads();
@@ -79,8 +82,11 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_step_kernel(
     if (P.trace && threadIdx.x == 0) t0 = clock64();
     // The next split's cached rows (they wait on nothing) into the L2 by warp 0, during this one.
     if ((in.waits & kSplitNext) && threadIdx.x < 32) attn_split_prefetch<T>(P, P.instrs[P.queue[k + 1]], threadIdx.x);
+    if (threadIdx.x < 32) {  // the weights first: they wait on nothing
+      const bool st = stage_instr(P, i, stage, &stage_bar, threadIdx.x);
+      if (threadIdx.x == 0) staged_now = st;
+    }
     if (threadIdx.x == 0) {
-      staged_now = stage_instr(P, i, stage, &stage_bar);  // the weights first: they wait on nothing
       if (k + kPrefetchAhead < end) prefetch_instr(P, P.queue[k + kPrefetchAhead]);
       for (int w = 0; w < (in.waits & kWaitCount); ++w)
         if (!wait_counter(P.counters + in.wait[w], round * uint32_t(P.producers[in.wait[w]]), P.timeout_ns)) {
@@ -101,7 +107,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_step_kernel(
       for (int m = 0; m < kTraceMarks; ++m) trace_marks[m] = 0;
       t1 = clock64();
     }
-    run_instr<B, T>(P, in, smem, staged_now ? stage : nullptr);
+    run_instr<B, T>(P, in, smem, staged_now ? stage : nullptr, stage, &stage_bar, parity);
     trace_mark(P, kTraceMarks - 1);
     __syncthreads();  // every thread's writes, then thread 0's release makes them visible with its count
     if (!(in.waits & kTailSignal)) {  // most tiles: the count, no tail, no barrier
@@ -133,7 +139,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_step_kernel(
         t0 = t1 = clock64();
       }
       const PInstr tin = P.instrs[tail];
-      run_instr<B, T>(P, tin, smem, nullptr);
+      run_instr<B, T>(P, tin, smem, nullptr, stage, &stage_bar, parity);
       trace_mark(P, kTraceMarks - 1);
       __syncthreads();
       done = tail;
@@ -234,10 +240,8 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
   const size_t scratch =
       (4 * std::max({split_scratch_floats(int(G), int(hd), chunk_max),
                      size_t(8) * size_t(std::max<int64_t>(c.num_experts, 1) + 64), G * size_t(p.splits),
-                     size_t(kDownRows) * size_t(c.experts_per_token + 1)}) + 127) & ~size_t(127);
+                     size_t(kDownRows) * size_t(c.experts_per_token + 1), size_t(kMmaRedFloats)}) + 127) & ~size_t(127);
   constexpr size_t kSmemMax = 227 << 10;
-  if (scratch > kSmemMax - (16 << 10))
-    fail("persistent step: ", scratch, " bytes of shared memory (context ", kv.max_context(), " over ", p.splits, " splits)");
   const int Bt = B == 1 ? 1 : B == 2 ? 2 : B <= 4 ? 4 : 8;  // the products' rows of x
   const size_t xn_bytes = size_t(Bt) * H * 4;
   size_t used = scratch;
@@ -245,15 +249,21 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
     P.xn_offset = uint32_t(used);
     used += (xn_bytes + 127) & ~size_t(127);
   }
+  P.frag_offset = uint32_t(used);
+  used += kFragBytes;
+  if (used + (16 << 10) > kSmemMax)
+    fail("persistent step: ", used, " bytes of shared memory before the weight stage (the attention's ", scratch,
+         " at context ", kv.max_context(), " over ", p.splits, " splits)");
   const uint32_t stage_bytes = uint32_t(std::min<size_t>(kStageBytes, kSmemMax - used - 1024));
   d_->smem = used + stage_bytes;
   P.stage_offset = uint32_t(used);
+  P.stage_bytes = stage_bytes;
 
   // Each instruction's fixed weight rows (the experts' are known only once the route ran):
   // staged when they fit the stage, else prefetched into the L2.
   std::vector<PRange> ranges;
   std::vector<int32_t> range_begin{0};
-  int64_t staged_instrs = 0;
+  int64_t staged_instrs = 0, mma_tiles = 0;
   {
     constexpr uint64_t kMaxPrefetch = 128 << 10;  // L2 bytes per range (the LM head's tiles are larger)
     const std::vector<DLayer>& L = model.layers();
@@ -261,13 +271,17 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
     uint32_t at = 0;     // its stage's bytes so far
     auto rows = [&](const DLinear& W, int64_t r0, int64_t r1) {
       if (!W.data || r1 <= r0) return;
-      const uint64_t rb = row_bytes(W);
-      const StagedRows st = stage_rows(W, int(r0), int(r1), &at);
-      ranges.push_back({W.data + uint64_t(r0) * rb, uint32_t(std::min<uint64_t>(uint64_t(r1 - r0) * rb, UINT32_MAX)),
-                        st.codes});
+      const uint64_t rb = row_bytes(W), n = uint64_t(r1 - r0);
+      const StagedRows st = stage_rows(W, int(r0), int(r1), &at, Bt);
+      if (st.codes_stride) {  // padded rows (tensor cores): a run per row
+        ranges.push_back({W.data + uint64_t(r0) * rb, uint32_t(rb), st.codes, uint32_t(n), st.codes_stride});
+        ranges.push_back({W.scales + uint64_t(r0) * uint64_t(W.in / 16), uint32_t(W.in / 16), st.scales, uint32_t(n),
+                          st.scales_stride});
+        return;
+      }
+      ranges.push_back({W.data + uint64_t(r0) * rb, uint32_t(std::min<uint64_t>(n * rb, UINT32_MAX)), st.codes, 1, 0});
       if (W.format == DFormat::NVFP4)
-        ranges.push_back({W.scales + uint64_t(r0) * uint64_t(W.in / 16), uint32_t(uint64_t(r1 - r0) * uint64_t(W.in / 16)),
-                          st.scales});
+        ranges.push_back({W.scales + uint64_t(r0) * uint64_t(W.in / 16), uint32_t(n * uint64_t(W.in / 16)), st.scales, 1, 0});
     };
     const int64_t qr = p.heads * p.head_dim, kr = p.kv_heads * p.head_dim;
     for (const StepInstr& in : p.instrs) {
@@ -299,18 +313,34 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
         case StepOp::HeadNormLogits: rows(model.lm_head(), in.a, in.b); break;
         default: break;
       }
-      // Staged: every range 16-byte aligned in whole units, all of them within the stage.
-      for (size_t r = first; r < ranges.size(); ++r)
-        stage = stage && reinterpret_cast<uintptr_t>(ranges[r].p) % 16 == 0 && ranges[r].bytes % 16 == 0 &&
-                ranges[r].stage + ranges[r].bytes <= stage_bytes;
+      // Staged: every run 16-byte aligned in whole units, all of them within the stage.
+      for (size_t r = first; r < ranges.size(); ++r) {
+        const PRange& g = ranges[r];
+        const uint64_t last = g.rows ? uint64_t(g.rows - 1) * g.stride : 0;
+        stage = stage && reinterpret_cast<uintptr_t>(g.p) % 16 == 0 && g.bytes % 16 == 0 &&
+                uint64_t(g.stage) + last + g.bytes <= stage_bytes;
+      }
       stage = stage && ranges.size() > first;
       staged_instrs += stage;
+      if (stage) mma_tiles += ranges[first].rows > 1 || ranges[first].stride > 0;
+      if (in.op == StepOp::ExpertGateUp) {  // as expert_gate_up decides on the device (up: gate's shape and format)
+        const DLinear& G = l->moe.expert_gate;
+        uint32_t need = 0;
+        stage_rows(G, int(in.a), int(in.b), &need, Bt);
+        stage_rows(G, int(in.a), int(in.b), &need, Bt);
+        mma_tiles += mma_tile_fits(G, Bt) && need <= stage_bytes;
+      }
       for (size_t r = first; r < ranges.size(); ++r)
-        if (!stage) ranges[r].stage = kNotStaged, ranges[r].bytes = uint32_t(std::min<uint64_t>(ranges[r].bytes, kMaxPrefetch));
+        if (!stage) {  // one run for the L2 instead
+          PRange& g = ranges[r];
+          g.bytes = uint32_t(std::min<uint64_t>(uint64_t(g.bytes) * g.rows, kMaxPrefetch));
+          g.stage = kNotStaged, g.rows = 1, g.stride = 0;
+        }
       range_begin.push_back(int32_t(ranges.size()));
     }
   }
   staged_instrs_ = staged_instrs;
+  mma_tiles_ = mma_tiles;
   P.instrs = device_copy(instrs, owned);
   P.queue = device_copy(queue, owned);
   P.queue_begin = device_copy(begin, owned);

@@ -50,6 +50,9 @@ class PersistentStep {
   const float* logits() const { return logits_; }  // [batch, vocab], device memory
   const StepPlan& plan() const { return plan_; }
   int64_t staged_instructions() const { return staged_instrs_; }  // whose weights come through the stage
+  // Tiles whose products run on tensor cores (op_mma.cuh): staged ones, and expert gate/up tiles
+  // whose rows fit the stage (they take it only when their position has an expert).
+  int64_t tensor_core_tiles() const { return mma_tiles_; }
 
   struct Device;
 
@@ -57,7 +60,7 @@ class PersistentStep {
   StepPlan plan_;
   std::unique_ptr<Device> d_;
   const float* logits_ = nullptr;
-  int64_t staged_instrs_ = 0;
+  int64_t staged_instrs_ = 0, mma_tiles_ = 0;
 };
 
 }  // namespace kestrel::cuda

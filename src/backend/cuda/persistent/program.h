@@ -26,19 +26,23 @@ struct PInstr {
 };
 static_assert(sizeof(PInstr) == 32, "an instruction is 32 bytes");
 
-// A range of weight bytes an instruction reads, known before the step (weights.cuh): copied to
-// `stage` bytes into the block's stage, or (kNotStaged) prefetched into the L2.
+// Weight bytes an instruction reads, known before the step (weights.cuh): `rows` runs of `bytes`
+// that follow each other from p, copied into the block's stage at `stage`, `stride` bytes apart
+// (the tensor-core tiles' padded rows, op_mma.cuh), or (kNotStaged, one run) prefetched into the L2.
 constexpr uint32_t kNotStaged = 0xffffffffu;
 struct PRange {
   const uint8_t* p;
   uint32_t bytes;
   uint32_t stage;
+  uint32_t rows;
+  uint32_t stride;
 };
 
 constexpr int kTraceMarks = 5;               // points inside an op that the trace times (the last: it returned)
 constexpr int kTraceSlots = 3 + kTraceMarks;
 constexpr int kPrefetchAhead = 2;             // instructions of its queue a block asks the L2 for ahead
-constexpr uint32_t kStageBytes = 112 << 10;   // a block's stage for one instruction's weights
+constexpr uint32_t kStageBytes = 128 << 10;   // a block's stage for one instruction's weights
+constexpr uint32_t kFragBytes = 36 << 10;     // the tensor-core tiles' activations (op_mma.cuh)
 
 struct PProgram {
   // The queues: block s runs instrs[queue[k]] for k in [queue_begin[s], queue_begin[s + 1]).
@@ -60,6 +64,8 @@ struct PProgram {
   long long* trace = nullptr;
   uint32_t stage_offset = 0;           // of the weight stage in dynamic shared memory
   uint32_t xn_offset = kNotStaged;     // of the normalized rows there, or kNotStaged: in xn
+  uint32_t frag_offset = 0;            // of the tensor-core tiles' fragment rows (kFragBytes)
+  uint32_t stage_bytes = 0;            // the stage's size
 
   // The model.
   const DLayer* layers = nullptr;      // [layers], device copies of the descriptors

@@ -27,17 +27,42 @@ __host__ __device__ inline uint64_t row_bytes(const DLinear& W) {
 }
 __host__ __device__ inline uint32_t align16(uint64_t n) { return uint32_t((n + 15) & ~uint64_t(15)); }
 
+// Whether a tile of W with a batch of Bt rows of x takes the tensor-core products from the stage
+// (op_mma.cuh): NVFP4 rows of whole 256-weight units (a row's scales are then whole 16-byte bulk
+// copies) whose Bt fragment rows fit kFragBytes.
+__host__ __device__ inline uint32_t mma_frag_words(int K) { return uint32_t(K) + 16; }  // a fragment row, padded
+__host__ __device__ inline bool mma_tile_fits(const DLinear& W, int Bt) {
+  return W.format == DFormat::NVFP4 && W.in % 256 == 0 && uint64_t(Bt) * mma_frag_words(W.in) * 4 <= kFragBytes;
+}
+
+// The tensor-core tiles' rows in the stage: codes ≡ 64 and scales ≡ 16 bytes (mod 128) apart, so
+// that the eight row groups of a warp's loads (lane (g, j): 16 bytes of codes at 64c + 16j, 2 of
+// scales at 8c + 2j of rows g and g + 8) spread over the banks instead of meeting on 16 of them.
+__host__ __device__ inline uint32_t pad_rows_to(uint32_t n, uint32_t rem) { return n + (rem + 128u - n % 128u) % 128u; }
+__host__ __device__ inline uint32_t mma_code_stride(int K) { return pad_rows_to(uint32_t(K) / 2, 64); }
+__host__ __device__ inline uint32_t mma_scale_stride(int K) { return pad_rows_to(uint32_t(K) / 16, 16); }
+
 // Where rows [r0, r1) of W sit in a stage filled in order (the host lays it out, the ops find
-// their matrices with the same calls): codes at *at, then scales; *at moves past both.
+// their matrices with the same calls): codes at *at, then scales; *at moves past both. Tiles of
+// a batch of Bt that take tensor cores (mma_tile_fits) have padded rows, `codes_stride` and
+// `scales_stride` apart; the others contiguous rows.
 struct StagedRows {
   uint32_t codes, scales;
+  uint32_t codes_stride, scales_stride;  // 0: contiguous rows
 };
-__host__ __device__ inline StagedRows stage_rows(const DLinear& W, int r0, int r1, uint32_t* at) {
-  StagedRows s;
-  s.codes = *at;
-  *at += align16(uint64_t(r1 - r0) * row_bytes(W));
+__host__ __device__ inline StagedRows stage_rows(const DLinear& W, int r0, int r1, uint32_t* at, int Bt) {
+  const uint32_t n = uint32_t(r1 - r0);
+  StagedRows s{*at, 0, 0, 0};
+  if (mma_tile_fits(W, Bt)) {
+    s.codes_stride = mma_code_stride(W.in), s.scales_stride = mma_scale_stride(W.in);
+    *at += n * s.codes_stride;
+    s.scales = *at;
+    *at += n * s.scales_stride;
+    return s;
+  }
+  *at += align16(uint64_t(n) * row_bytes(W));
   s.scales = *at;
-  if (W.format == DFormat::NVFP4) *at += align16(uint64_t(r1 - r0) * uint64_t(W.in / 16));
+  if (W.format == DFormat::NVFP4) *at += align16(uint64_t(n) * uint64_t(W.in / 16));
   return s;
 }
 
@@ -104,16 +129,47 @@ __device__ __forceinline__ void prefetch_instr(const PProgram& P, int32_t i) {
   for (int r = P.range_begin[i]; r < P.range_begin[i + 1]; ++r) bulk_prefetch_l2(P.ranges[r].p, P.ranges[r].bytes);
 }
 
-// By one thread: instruction i's ranges into the stage when it is staged; true if so.
-__device__ __forceinline__ bool stage_instr(const PProgram& P, int32_t i, uint8_t* stage, uint64_t* bar) {
+// By the lanes of one warp: `rows` runs of `bytes` from src (one after another) to the stage at
+// dst, `stride` apart, completing on bar. The caller's lane 0 has announced the bytes.
+__device__ __forceinline__ void copy_runs(uint8_t* dst, const uint8_t* src, uint32_t bytes, uint32_t rows, uint32_t stride,
+                                          uint64_t* bar, int lane) {
+  for (uint32_t k = uint32_t(lane); k < rows; k += 32) bulk_copy(dst + k * stride, src + uint64_t(k) * bytes, bytes, bar);
+}
+
+// By lane 0, before a warp's copies: the stage's last reads are ordered before the copies'
+// writes, and `total` bytes are coming to the barrier's phase.
+__device__ __forceinline__ void stage_expect(uint64_t* bar, uint32_t total) {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  mbar_expect(bar, total);
+}
+
+// By warp 0: instruction i's ranges into the stage when it is staged; true (in every lane) if so.
+__device__ __forceinline__ bool stage_instr(const PProgram& P, int32_t i, uint8_t* stage, uint64_t* bar, int lane) {
   const int r0 = P.range_begin[i], r1 = P.range_begin[i + 1];
   if (r0 == r1 || P.ranges[r0].stage == kNotStaged) return false;
-  uint32_t total = 0;
-  for (int r = r0; r < r1; ++r) total += P.ranges[r].bytes;
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stage's last reads before the copies' writes
-  mbar_expect(bar, total);
-  for (int r = r0; r < r1; ++r) bulk_copy(stage + P.ranges[r].stage, P.ranges[r].p, P.ranges[r].bytes, bar);
+  if (lane == 0) {
+    uint32_t total = 0;
+    for (int r = r0; r < r1; ++r) total += P.ranges[r].bytes * P.ranges[r].rows;
+    stage_expect(bar, total);
+  }
+  __syncwarp();
+  for (int r = r0; r < r1; ++r) {
+    const PRange g = P.ranges[r];
+    copy_runs(stage + g.stage, g.p, g.bytes, g.rows, g.stride, bar, lane);
+  }
   return true;
+}
+
+// By warp 0, once a tile's matrix is known on the device (the experts'): rows [r0, r1) of W into
+// the stage as stage_rows lays them out (s). Lane 0 announces `total`, the bytes of every matrix
+// the tile copies, with its first.
+__device__ __forceinline__ void stage_matrix(const DLinear& W, int r0, int r1, const StagedRows& s, uint8_t* stage,
+                                             uint64_t* bar, uint32_t total, int lane) {
+  if (total && lane == 0) stage_expect(bar, total);
+  __syncwarp();
+  const uint32_t n = uint32_t(r1 - r0);
+  copy_runs(stage + s.codes, W.data + uint64_t(r0) * (W.in / 2), uint32_t(W.in / 2), n, s.codes_stride, bar, lane);
+  copy_runs(stage + s.scales, W.scales + uint64_t(r0) * (W.in / 16), uint32_t(W.in / 16), n, s.scales_stride, bar, lane);
 }
 
 }  // namespace kestrel::cuda
