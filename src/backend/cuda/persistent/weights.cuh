@@ -1,13 +1,14 @@
 // How an instruction's weights reach it before its inputs do. Rows of a matrix are contiguous,
-// so a tile's rows are one range of codes (or values) and one of scales, known before the step
-// for every product but the experts'. A block asks for them as soon as it reaches the
-// instruction, before it waits on the instruction's inputs:
-//  - staged (the tile's ranges fit kStageBytes and are 16-byte aligned): bulk copies into the
+// so a tile's rows are one run of codes (or values) and one of scales (the tensor-core tiles: a
+// run per row, into padded rows), known before the step for every product but the experts'. A
+// block asks for them as soon as it reaches the instruction, before it waits on its inputs:
+//  - staged (the tile's runs fit the stage and are 16-byte aligned): bulk copies into the
 //    block's shared-memory stage, completing on an mbarrier the block waits on after its
 //    counters; the products then read the stage;
 //  - otherwise (the LM head's large tiles): bulk prefetches into the L2, also for the
 //    instructions kPrefetchAhead ahead in the queue. Expert tiles learn their expert from the
-//    route and ask the L2 for their rows once their wait is over.
+//    route once their wait is over: gate/up then copies its rows into the stage (stage_matrix),
+//    down asks the L2 for them.
 #pragma once
 #include <cstdint>
 
