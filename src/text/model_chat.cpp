@@ -11,10 +11,11 @@
 
 namespace kestrel::text {
 
-std::string ModelChat::prompt(const nlohmann::ordered_json& messages) const {
+std::string ModelChat::prompt(const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools) const {
   nlohmann::ordered_json opts = options;
   opts["add_generation_prompt"] = true;
-  return ChatTemplate(source).render(messages, opts);
+  if (!tools.is_null()) opts["tools"] = tools;
+  return ChatTemplate(template_for(!tools.is_null())).render(messages, opts);
 }
 
 namespace {
@@ -89,15 +90,16 @@ bool mark_specials(nlohmann::ordered_json& j, const Marks& m) {
 }  // namespace
 
 std::vector<int32_t> ModelChat::encode(const nlohmann::ordered_json& messages, const Tokenizer& tok,
-                                       bool allow_special) const {
+                                       bool allow_special, const nlohmann::ordered_json& tools) const {
   Marks m;
   if (!allow_special) m.specials = tok.special_tokens();
   for (const std::string& t : m.specials) m.starts[static_cast<unsigned char>(t[0])] = true;
   std::vector<bool> used(size_t(kLastMark - kFirstMark + 1), false);
   if (!m.specials.empty()) {
-    collect_text_marks(source, used);
+    collect_text_marks(template_for(!tools.is_null()), used);
     collect_marks(options, used);
     collect_marks(messages, used);
+    collect_marks(tools, used);
     // The first run of free marks long enough for every special token.
     size_t run = 0;
     for (size_t k = 0; k < used.size() && run < m.specials.size(); ++k) {
@@ -106,10 +108,12 @@ std::vector<int32_t> ModelChat::encode(const nlohmann::ordered_json& messages, c
     }
     if (run < m.specials.size()) fail("chat: the messages use the private code points kestrel marks message text with");
   }
-  nlohmann::ordered_json marked = messages;
-  if (m.specials.empty() || !mark_specials(marked, m)) return tok.encode(prompt(messages), false, true);
+  nlohmann::ordered_json marked = messages, marked_tools = tools;
+  const bool in_messages = !m.specials.empty() && mark_specials(marked, m);
+  const bool in_tools = !m.specials.empty() && mark_specials(marked_tools, m);
+  if (!in_messages && !in_tools) return tok.encode(prompt(messages, tools), false, true);
 
-  const std::string rendered = prompt(marked);
+  const std::string rendered = prompt(marked, marked_tools);
   std::string text;
   std::vector<std::pair<size_t, size_t>> literal;
   for (size_t i = 0; i < rendered.size();) {
@@ -145,6 +149,7 @@ ModelChat load_model_chat(const Model& model, const std::string& path) {
     return c;
   }
   c.source = load_chat_template(path);
+  if (std::string t = load_chat_template(path, true); t != c.source) c.tool_source = std::move(t);
   const std::filesystem::path cfg = std::filesystem::path(path) / "tokenizer_config.json";
   if (std::filesystem::exists(cfg)) {
     const auto j = nlohmann::json::parse(read_text_file(cfg.string()), nullptr, false);
