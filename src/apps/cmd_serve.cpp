@@ -18,6 +18,7 @@
 #include "backend/cpu/forward.h"
 #include "runtime/engine.h"
 #include "runtime/kv_cache.h"
+#include "runtime/scripted_slots.h"
 #include "server/http_server.h"
 #include "text/gguf_tokenizer.h"
 #include "text/model_chat.h"
@@ -51,6 +52,7 @@ struct Options {
   server::HttpLimits http;
   std::string max_body = "8MiB", max_header_bytes = "32KiB";
   bool allow_special = false;
+  std::string test_scripted_reply;  // tests only: every reply is this text (runtime/scripted_slots.h)
 };
 
 void add_http_options(CLI::App& app, Options& o) {
@@ -148,6 +150,10 @@ Run add_serve(CLI::App& app) {
   app.add_option("--device", o->device,
                  "auto (the GPU when one is present and reads the model's formats), cpu or cuda (at most " +
                      std::to_string(kMaxGpuBatch) + " sequences at once on the GPU)");
+  // Hidden from --help: a hook for the server's tests (tests/server/test_tool_calls_server.py).
+  app.add_option("--test-scripted-reply", o->test_scripted_reply,
+                 "Tests only: every reply (without logprobs) is this text, tokenized, then end of sequence")
+      ->group("");
   return [o]() {
     check_quant_option(o->quant);
     check_device_option(o->device);
@@ -218,6 +224,15 @@ Run add_serve(CLI::App& app) {
     if (o->device == "cuda") fail("--device cuda: this kestrel was built without CUDA");
 #endif
     if (!slots && o->kv_dtype == "bf16") fail("--kv-dtype bf16: the CPU backend caches keys and values as float32");
+    if (!o->test_scripted_reply.empty()) {
+      if (slots) fail("--test-scripted-reply: runs on the CPU only (--device cpu)");
+      if (model->config.eos_token_ids.empty()) fail("--test-scripted-reply: the model has no end-of-sequence token");
+      const int64_t kv = kv_given > 0 ? kv_given : 32 * engine_context(*model, eo);  // the engine's default
+      eo.kv_tokens = kv;
+      slots = std::make_unique<ScriptedSlots>(
+          make_cpu_slots(*model, eo.max_batch, eo.threads, eo.layout, kv, eo.prefix_cache), model->config.vocab_size,
+          int32_t(model->config.eos_token_ids[0]), tok.encode(o->test_scripted_reply, false, true));
+    }
     Engine engine(*model, eo, std::move(slots));
 
     server::ServerOptions so;
