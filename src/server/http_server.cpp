@@ -8,7 +8,9 @@
 
 #include "common/error.h"
 #include "runtime/sampler.h"
+#include "server/chat_reply.h"
 #include "server/openapi.h"
+#include "server/reasoning.h"
 #include "text/detokenize.h"
 
 namespace kestrel::server {
@@ -41,6 +43,13 @@ std::string new_id(Endpoint e) {
   return buf;
 }
 
+// A tool call's id, unique over the server's life: the mixed counter of fresh_seed() is a bijection.
+std::string new_call_id() {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "call_%016llx", (unsigned long long)fresh_seed());
+  return buf;
+}
+
 HttpReply json_reply(std::string body, int status = 200) {
   HttpReply r;
   r.now.status = status;
@@ -57,18 +66,34 @@ HttpResponse error_response(const ApiError& e) {
 
 }  // namespace
 
+// How a chat reply is split (chat_reply.h): whether the model thinks (and starts inside its
+// thinking), and the format of tool calls to parse (None: no tools, or tool_choice "none").
+struct ReplySplit {
+  std::optional<bool> reasoning;
+  ToolFormat tools = ToolFormat::None;
+  std::map<std::string, std::map<std::string, std::string>> parameter_types;
+  bool any() const { return reasoning || tools != ToolFormat::None; }
+};
+
 // One request's generation, made as the engine's events arrive: text, stop strings and
-// log-probabilities choice by choice, sent as one JSON response at the end or as server-sent
-// events while it runs. Polled on the connection's strand (HttpProducer).
+// log-probabilities choice by choice (then for chat the reasoning, content and tool calls the text
+// holds), sent as one JSON response at the end or as server-sent events while it runs. Polled on
+// the connection's strand (HttpProducer).
 struct HttpServer::Generation : HttpProducer {
   struct ChoiceState {
     text::StreamDecoder decoder;
     StopMatcher stop;
+    std::optional<ChatReply> reply;
     clock_type::time_point last_token;
     int64_t tokens = 0;
     bool finished = false;
     bool started = false;  // a chunk of it was streamed
-    ChoiceState(const text::Tokenizer& t, std::vector<std::string> stops) : decoder(t, true), stop(std::move(stops)) {}
+    // With tools, special tokens are decoded as text: some tokenizers mark the markers of tool
+    // calls special, and the parser must see them (end-of-sequence tokens are never text).
+    ChoiceState(const text::Tokenizer& t, std::vector<std::string> stops, const ReplySplit& split)
+        : decoder(t, split.tools == ToolFormat::None), stop(std::move(stops)) {
+      if (split.any()) reply.emplace(split.reasoning, split.tools, split.parameter_types);
+    }
   };
 
   Endpoint endpoint;
@@ -82,10 +107,10 @@ struct HttpServer::Generation : HttpProducer {
   clock_type::time_point start_time = clock_type::now();
   bool head_sent = false, over = false;
 
-  Generation(Endpoint e, ApiRequest r, const text::Tokenizer& t, Metrics& m)
+  Generation(Endpoint e, ApiRequest r, const text::Tokenizer& t, Metrics& m, const ReplySplit& split)
       : endpoint(e), req(std::move(r)), open(req.n), tok(t), metrics(m) {
     c.choices.resize(size_t(req.n));
-    for (int i = 0; i < req.n; ++i) state.emplace_back(t, req.stop);
+    for (int i = 0; i < req.n; ++i) state.emplace_back(t, req.stop, split);
   }
   bool finished() const { return open == 0; }
   bool logprobs() const { return req.top_logprobs >= 0; }
@@ -115,18 +140,27 @@ struct HttpServer::Generation : HttpProducer {
         const auto i = take(delta, tokens);
         if (!i) return p;  // nothing more yet
         if (*i < 0) continue;
+        ChoiceState& st = state[size_t(*i)];
+        Choice& ch = c.choices[size_t(*i)];
+        ReplyPieces piece = reply_pieces(*i, std::move(delta));
         if (req.stream) {
-          // One chunk per event of a choice (its first always, for the chat role), and one with
-          // its finish_reason when it ends.
-          ChoiceState& st = state[size_t(*i)];
-          if (!delta.empty() || !tokens.empty() || !st.started) {
-            p.body += sse(chunk_json(endpoint, c, *i, delta, tokens, logprobs(), "", !st.started));
+          // One chunk per event of a choice (its first always, for the chat role), two per tool
+          // call (its head, then its arguments), and one with its finish_reason when it ends.
+          if (!piece.content.empty() || !piece.reasoning.empty() || !tokens.empty() || !st.started) {
+            p.body += sse(chunk_json(endpoint, c, *i, piece.content, tokens, logprobs(), "", !st.started, piece.reasoning));
             st.started = true;
           }
-          if (st.finished) p.body += sse(chunk_json(endpoint, c, *i, "", {}, false, c.choices[size_t(*i)].finish_reason, false));
+          for (ToolCall& t : piece.calls) {
+            const int k = int(ch.tool_calls.size());
+            p.body += sse(tool_call_chunk_json(c, *i, k, t, true));
+            p.body += sse(tool_call_chunk_json(c, *i, k, t, false));
+            ch.tool_calls.push_back(std::move(t));
+          }
+          if (st.finished) p.body += sse(chunk_json(endpoint, c, *i, "", {}, false, ch.finish_reason, false));
         } else {
-          Choice& ch = c.choices[size_t(*i)];
-          ch.text += delta;
+          ch.text += piece.content;
+          ch.reasoning += piece.reasoning;
+          for (ToolCall& t : piece.calls) ch.tool_calls.push_back(std::move(t));
           for (TokenInfo& t : tokens) ch.tokens.push_back(std::move(t));
         }
       }
@@ -195,6 +229,31 @@ struct HttpServer::Generation : HttpProducer {
     return i;
   }
 
+  // Choice i's new text as reasoning, content and tool calls (all content without a reply
+  // splitter), the rest of it too when the choice ended. The calls get their ids (only the first
+  // is kept without parallel_tool_calls), and a choice that made any ends with "tool_calls".
+  ReplyPieces reply_pieces(int i, std::string delta) {
+    ChoiceState& st = state[size_t(i)];
+    Choice& ch = c.choices[size_t(i)];
+    ReplyPieces r;
+    if (!st.reply) {
+      r.content = std::move(delta);
+      return r;
+    }
+    r = st.reply->push(delta);
+    if (st.finished) {
+      ReplyPieces last = st.reply->finish();
+      r.reasoning += last.reasoning;
+      r.content += last.content;
+      for (ToolCall& t : last.calls) r.calls.push_back(std::move(t));
+    }
+    if (!req.parallel_tool_calls && ch.tool_calls.size() + r.calls.size() > 1)
+      r.calls.resize(ch.tool_calls.empty() ? 1 : 0);
+    for (ToolCall& t : r.calls) t.id = new_call_id();
+    if (st.finished && !(ch.tool_calls.empty() && r.calls.empty())) ch.finish_reason = "tool_calls";
+    return r;
+  }
+
   void end(int i, const char* reason) {
     c.choices[size_t(i)].finish_reason = reason;
     state[size_t(i)].finished = true;
@@ -244,12 +303,33 @@ HttpReply HttpServer::generate(Endpoint endpoint, const HttpRequest& http) {
   if (r.model != o_.model_name)
     throw ApiError(404, "the model '" + r.model + "' does not exist; this server serves '" + o_.model_name + "'", "model");
   GenerationRequest gr;
+  ReplySplit split;
   if (endpoint == Endpoint::Chat) {
     if (!chat_) throw ApiError(400, "this model has no chat template; use /v1/completions", "messages");
+    // With tool_choice "none" the tools are not rendered (as vLLM does): a model shown tools may
+    // call one, and with nothing parsing the call it would come back as content.
+    const bool with_tools = r.tool_choice == ToolChoice::Auto;
+    const std::string& source = chat_->template_for(with_tools);
+    const ToolFormat format = tool_format_of_template(source);
+    if (with_tools && format == ToolFormat::None)
+      throw ApiError(400, "the chat template of '" + o_.model_name +
+                              "' renders no tools (or renders them in a format kestrel does not parse: it parses "
+                              "Hermes/Qwen, GLM, DeepSeek and Llama JSON tool calls)",
+                     "tools");
     try {
-      gr.prompt = chat_->encode(r.messages, tok_, o_.allow_special_in_content);
+      gr.prompt = chat_->encode(template_messages(r.messages, format != ToolFormat::DeepSeek), tok_,
+                                o_.allow_special_in_content, with_tools ? r.tools : json(nullptr));
     } catch (const Error& e) {
       throw ApiError(400, std::string("the chat template failed on these messages: ") + e.what(), "messages");
+    }
+    if (template_reasons(source)) {
+      // The generation prompt is the prompt's end: its last tokens tell whether it opened <think>.
+      const size_t tail = std::min<size_t>(gr.prompt.size(), 8);
+      split.reasoning = prompt_opens_thinking(tok_.decode(std::span<const int32_t>(gr.prompt).last(tail), false));
+    }
+    if (with_tools) {
+      split.tools = format;
+      split.parameter_types = tool_parameter_types(r.tools);
     }
   } else {
     // The client writes the whole prompt here, template markers included: specials are parsed.
@@ -268,7 +348,7 @@ HttpReply HttpServer::generate(Endpoint endpoint, const HttpRequest& http) {
   gr.ignore_eos = r.ignore_eos;
   gr.n = r.n;
   const int64_t prompt_tokens = int64_t(gr.prompt.size());
-  auto g = std::make_shared<Generation>(endpoint, std::move(r), tok_, metrics_);
+  auto g = std::make_shared<Generation>(endpoint, std::move(r), tok_, metrics_, split);
   try {
     g->stream = engine_.submit(std::move(gr));
   } catch (const EngineStopped& e) {

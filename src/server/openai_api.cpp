@@ -1,8 +1,10 @@
 #include "server/openai_api.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <limits>
+#include <set>
 
 namespace kestrel::server {
 namespace {
@@ -71,6 +73,85 @@ std::string message_content(const json& m, size_t i) {
         !part["text"].is_string())
       throw bad(where, "part " + std::to_string(k) + " is not a {\"type\": \"text\", \"text\": ...} part (only text is supported)");
     out += part["text"].get<std::string>();
+  }
+  return out;
+}
+
+// A string field of a nested object, named by its path (`where`).
+std::string need_string(const json& obj, const char* key, const std::string& where) {
+  const std::string field = where + "." + key;
+  if (!present(obj, key)) throw bad(field, "is required");
+  if (!obj[key].is_string()) throw bad(field, std::string("expected a string, got ") + type_name(obj[key]));
+  return obj[key].get<std::string>();
+}
+
+// A function name as OpenAI allows it: 1 to 64 letters, digits, '_' and '-'.
+bool function_name_ok(const std::string& n) {
+  if (n.empty() || n.size() > 64) return false;
+  for (const char c : n)
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '-') return false;
+  return true;
+}
+
+// `tools`: [{type: "function", function: {name, description?, parameters?, strict?}}], returned
+// as written (templates print the client's schemas); the names in `names`.
+json parse_tools(const json& t, std::set<std::string>& names) {
+  if (!t.is_array() || t.empty()) throw bad("tools", "expected a non-empty array of tools");
+  for (size_t i = 0; i < t.size(); ++i) {
+    const std::string where = "tools[" + std::to_string(i) + "]";
+    const json& tool = t[i];
+    if (!tool.is_object()) throw bad(where, std::string("expected an object, got ") + type_name(tool));
+    if (need_string(tool, "type", where) != "function") throw bad(where + ".type", "must be \"function\"");
+    if (!present(tool, "function") || !tool["function"].is_object())
+      throw bad(where + ".function", "is required and must be an object");
+    const json& f = tool["function"];
+    const std::string name = need_string(f, "name", where + ".function");
+    if (!function_name_ok(name))
+      throw bad(where + ".function.name", "must be 1 to 64 letters, digits, underscores or dashes, got '" + name + "'");
+    if (!names.insert(name).second) throw bad(where + ".function.name", "'" + name + "' names two tools");
+    if (present(f, "description") && !f["description"].is_string())
+      throw bad(where + ".function.description", std::string("expected a string, got ") + type_name(f["description"]));
+    if (present(f, "parameters") && !f["parameters"].is_object())
+      throw bad(where + ".function.parameters", std::string("expected a JSON schema object, got ") + type_name(f["parameters"]));
+    if (present(f, "strict") && !f["strict"].is_boolean())
+      throw bad(where + ".function.strict", std::string("expected a boolean, got ") + type_name(f["strict"]));
+  }
+  return t;
+}
+
+ToolChoice parse_tool_choice(const json& c, const std::set<std::string>& names) {
+  const char* constrained = " is not supported yet: it needs constrained decoding, which kestrel does not have; use \"auto\"";
+  if (c.is_string()) {
+    const std::string v = c.get<std::string>();
+    if (v == "none") return ToolChoice::None;
+    if (v == "auto") return ToolChoice::Auto;
+    if (v == "required") throw bad("tool_choice", std::string("\"required\"") + constrained);
+    throw bad("tool_choice", "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}, got '" + v + "'");
+  }
+  if (!c.is_object()) throw bad("tool_choice", std::string("expected a string or an object, got ") + type_name(c));
+  if (need_string(c, "type", "tool_choice") != "function") throw bad("tool_choice.type", "must be \"function\"");
+  if (!present(c, "function") || !c["function"].is_object())
+    throw bad("tool_choice.function", "is required and must be an object");
+  const std::string name = need_string(c["function"], "name", "tool_choice.function");
+  if (!names.count(name)) throw bad("tool_choice", "names the function '" + name + "', which is not in tools");
+  throw bad("tool_choice", std::string("a named function") + constrained);
+}
+
+// An assistant message's tool_calls: [{id, type: "function", function: {name, arguments (a string)}}].
+json parse_tool_calls(const json& calls, const std::string& where) {
+  if (!calls.is_array()) throw bad(where, std::string("expected an array, got ") + type_name(calls));
+  json out = json::array();
+  for (size_t k = 0; k < calls.size(); ++k) {
+    const std::string at = where + "[" + std::to_string(k) + "]";
+    const json& call = calls[k];
+    if (!call.is_object()) throw bad(at, std::string("expected an object, got ") + type_name(call));
+    const std::string id = need_string(call, "id", at);
+    if (need_string(call, "type", at) != "function") throw bad(at + ".type", "must be \"function\"");
+    if (!present(call, "function") || !call["function"].is_object())
+      throw bad(at + ".function", "is required and must be an object");
+    const std::string name = need_string(call["function"], "name", at + ".function");
+    const std::string arguments = need_string(call["function"], "arguments", at + ".function");
+    out.push_back({{"id", id}, {"type", "function"}, {"function", {{"name", name}, {"arguments", arguments}}}});
   }
   return out;
 }
@@ -165,11 +246,29 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& body) {
       const std::string role = msg["role"].get<std::string>();
       if (role != "system" && role != "user" && role != "assistant" && role != "developer" && role != "tool")
         throw bad(where + ".role", "must be system, developer, user, assistant or tool, got '" + role + "'");
-      r.messages.push_back({{"role", role == "developer" ? "system" : role}, {"content", message_content(msg, i)}});
+      json out = {{"role", role == "developer" ? "system" : role}, {"content", message_content(msg, i)}};
+      if (present(msg, "tool_calls")) {
+        if (role != "assistant") throw bad(where + ".tool_calls", "only assistant messages have tool calls");
+        out["tool_calls"] = parse_tool_calls(msg["tool_calls"], where + ".tool_calls");
+      }
+      if (role == "assistant" && present(msg, "reasoning_content"))
+        out["reasoning_content"] = need_string(msg, "reasoning_content", where);
+      if (role == "tool") out["tool_call_id"] = need_string(msg, "tool_call_id", where);
+      r.messages.push_back(std::move(out));
     }
-    for (const char* k : {"tools", "functions", "tool_choice", "response_format"})
-      if (present(j, k) && !(std::string(k) == "response_format" && j[k].is_object() && j[k].value("type", "") == "text"))
-        throw bad(k, "is not supported");
+    std::set<std::string> names;
+    if (present(j, "tools")) r.tools = parse_tools(j["tools"], names);
+    if (present(j, "tool_choice")) {
+      r.tool_choice = parse_tool_choice(j["tool_choice"], names);
+      if (r.tool_choice != ToolChoice::None && names.empty()) throw bad("tool_choice", "needs tools");
+    } else if (!names.empty()) {
+      r.tool_choice = ToolChoice::Auto;
+    }
+    if (present(j, "parallel_tool_calls")) r.parallel_tool_calls = get_bool(j, "parallel_tool_calls");
+    for (const char* k : {"functions", "function_call"})
+      if (present(j, k)) throw bad(k, "is not supported (the legacy function calling); use tools");
+    if (present(j, "response_format") && !(j["response_format"].is_object() && j["response_format"].value("type", "") == "text"))
+      throw bad("response_format", "only {\"type\": \"text\"} is supported: JSON output needs constrained decoding, which kestrel does not have");
     const bool lp = present(j, "logprobs") && get_bool(j, "logprobs");
     if (present(j, "top_logprobs")) {
       const int n = int(get_int(j, "top_logprobs", 0, 20));
@@ -231,6 +330,20 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& body) {
   return r;
 }
 
+json template_messages(const json& messages, bool arguments_as_objects) {
+  json out = messages;
+  if (!arguments_as_objects) return out;
+  for (json& m : out) {
+    if (!m.contains("tool_calls")) continue;
+    for (json& call : m["tool_calls"]) {
+      json& args = call["function"]["arguments"];
+      json parsed = json::parse(args.get<std::string>(), nullptr, false);
+      if (parsed.is_object()) args = std::move(parsed);
+    }
+  }
+  return out;
+}
+
 namespace {
 
 json usage_json(const Usage& u) {
@@ -277,8 +390,19 @@ json response_json(Endpoint endpoint, const Completion& c, bool logprobs) {
   for (size_t i = 0; i < c.choices.size(); ++i) {
     const Choice& ch = c.choices[i];
     json choice = {{"index", i}};
-    if (endpoint == Endpoint::Chat) choice["message"] = {{"role", "assistant"}, {"content", ch.text}};
-    else choice["text"] = ch.text;
+    if (endpoint == Endpoint::Chat) {
+      json m = {{"role", "assistant"}, {"content", ch.text.empty() && !ch.tool_calls.empty() ? json(nullptr) : json(ch.text)}};
+      if (!ch.reasoning.empty()) m["reasoning_content"] = ch.reasoning;
+      if (!ch.tool_calls.empty()) {
+        json calls = json::array();
+        for (const ToolCall& t : ch.tool_calls)
+          calls.push_back({{"id", t.id}, {"type", "function"}, {"function", {{"name", t.name}, {"arguments", t.arguments}}}});
+        m["tool_calls"] = std::move(calls);
+      }
+      choice["message"] = std::move(m);
+    } else {
+      choice["text"] = ch.text;
+    }
     choice["logprobs"] = logprobs ? logprobs_json(endpoint, ch.tokens) : json(nullptr);
     choice["finish_reason"] = ch.finish_reason;
     choices.push_back(std::move(choice));
@@ -289,12 +413,14 @@ json response_json(Endpoint endpoint, const Completion& c, bool logprobs) {
 }
 
 json chunk_json(Endpoint endpoint, const Completion& c, int index, const std::string& delta,
-                const std::vector<TokenInfo>& tokens, bool logprobs, const std::string& finish_reason, bool first) {
+                const std::vector<TokenInfo>& tokens, bool logprobs, const std::string& finish_reason, bool first,
+                const std::string& reasoning) {
   json r = envelope(endpoint, c, true);
   json choice = {{"index", index}};
   if (endpoint == Endpoint::Chat) {
     json d = json::object();
     if (first) d["role"] = "assistant";
+    if (!reasoning.empty()) d["reasoning_content"] = reasoning;
     if (!delta.empty() || (first && finish_reason.empty())) d["content"] = delta;
     choice["delta"] = d;
   } else {
@@ -303,6 +429,21 @@ json chunk_json(Endpoint endpoint, const Completion& c, int index, const std::st
   choice["logprobs"] = logprobs && !tokens.empty() ? logprobs_json(endpoint, tokens) : json(nullptr);
   choice["finish_reason"] = finish_reason.empty() ? json(nullptr) : json(finish_reason);
   r["choices"] = json::array({choice});
+  return r;
+}
+
+json tool_call_chunk_json(const Completion& c, int index, int call_index, const ToolCall& call, bool head) {
+  json r = envelope(Endpoint::Chat, c, true);
+  json item = {{"index", call_index}};
+  if (head) {
+    item["id"] = call.id;
+    item["type"] = "function";
+    item["function"] = {{"name", call.name}, {"arguments", ""}};
+  } else {
+    item["function"] = {{"arguments", call.arguments}};
+  }
+  r["choices"] = json::array({{{"index", index}, {"delta", {{"tool_calls", json::array({item})}}}, {"logprobs", nullptr},
+                               {"finish_reason", nullptr}}});
   return r;
 }
 

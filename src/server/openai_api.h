@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "runtime/sampler.h"
+#include "server/tool_calls.h"
 
 namespace kestrel::server {
 
@@ -30,12 +31,21 @@ std::string error_body(const ApiError& e);
 
 enum class Endpoint { Completions, Chat };
 
+// tool_choice: "none" (the tools are not rendered and nothing is parsed) or "auto" (the model may
+// call them). "required" and a named function need constrained decoding and are refused.
+enum class ToolChoice { None, Auto };
+
 struct ApiRequest {
   Endpoint endpoint = Endpoint::Completions;
   std::string model;
   std::string prompt;                     // completions: the text
   std::vector<int32_t> prompt_tokens;     // completions: token ids instead of text
-  json messages = json::array();          // chat: [{role, content (a string)}]
+  // chat: [{role, content (a string)}], assistant messages with their tool_calls ([{id, type,
+  // function: {name, arguments (a string)}}]) and reasoning_content, tool messages with tool_call_id
+  json messages = json::array();
+  json tools = json::array();             // chat: the validated tools, as the client wrote them
+  ToolChoice tool_choice = ToolChoice::None;  // "auto" when tools come without a tool_choice
+  bool parallel_tool_calls = true;        // false: a reply's first call only
   std::optional<int> max_tokens;          // absent: 16 for completions, the rest of the context for chat
   bool stream = false, include_usage = false;
   SamplerOptions sampling;
@@ -56,8 +66,17 @@ constexpr size_t kMaxJsonNesting = 64;
 size_t json_nesting(std::string_view text);
 
 // Parses a request body. Throws ApiError (400) on invalid JSON, wrong types, missing fields,
-// values out of range and options kestrel does not support (best_of other than n, suffix, tools).
+// values out of range and options kestrel does not support (best_of other than n, suffix,
+// functions, tool_choice "required" or a named function, response_format other than text).
 ApiRequest parse_request(Endpoint endpoint, const std::string& body);
+
+// The messages as a chat template takes them. Tool-call arguments, a JSON string in the API, become
+// the object they encode (as transformers users pass them): the Qwen2.5 and Llama 3 templates print
+// them with tojson (a string would come out quoted twice) and GLM's iterates arguments.items()
+// (an error on a string); Qwen3's takes either. DeepSeek's templates concatenate them into the
+// prompt as strings, so `arguments_as_objects` false keeps them (as does arguments that are not a
+// JSON object).
+json template_messages(const json& messages, bool arguments_as_objects);
 
 // One generated token's log-probability and its best alternatives, as text.
 struct TokenInfo {
@@ -71,11 +90,13 @@ struct Usage {
   int64_t cached_tokens = 0;  // of the prompt's, from the prefix cache (prompt_tokens_details)
 };
 
-// One choice of a response; `finish_reason` "stop" or "length".
+// One choice of a response; `finish_reason` "stop", "length" or "tool_calls".
 struct Choice {
-  std::string text;
+  std::string text;               // chat: the content
   std::vector<TokenInfo> tokens;  // with log-probabilities requested
   std::string finish_reason;
+  std::string reasoning;          // chat: reasoning_content, when the model thought
+  std::vector<ToolCall> tool_calls;  // chat: with their ids
 };
 
 // The pieces of one response: its choices in index order, usage over all of them (the prompt
@@ -89,11 +110,15 @@ struct Completion {
 
 json response_json(Endpoint endpoint, const Completion& c, bool logprobs);
 
-// A streamed chunk of choice `index`: text (and tokens) generated since its last chunk;
-// finish_reason empty until its last one. `first` marks the chat chunk that carries the assistant
-// role (the first of each choice).
+// A streamed chunk of choice `index`: text (and tokens) generated since its last chunk, and for chat
+// the reasoning; finish_reason empty until its last one. `first` marks the chat chunk that carries
+// the assistant role (the first of each choice).
 json chunk_json(Endpoint endpoint, const Completion& c, int index, const std::string& delta,
-                const std::vector<TokenInfo>& tokens, bool logprobs, const std::string& finish_reason, bool first);
+                const std::vector<TokenInfo>& tokens, bool logprobs, const std::string& finish_reason, bool first,
+                const std::string& reasoning = "");
+// A streamed chat chunk of tool call `call_index` of choice `index`: its head (id, type, name and
+// empty arguments) or then its arguments.
+json tool_call_chunk_json(const Completion& c, int index, int call_index, const ToolCall& call, bool head);
 // The final usage-only chunk (stream_options.include_usage).
 json usage_chunk_json(Endpoint endpoint, const Completion& c);
 

@@ -29,6 +29,7 @@ const char* tool_format_name(ToolFormat f);
 struct ToolCall {
   std::string name;
   std::string arguments;  // a JSON object, compact
+  std::string id;         // the server's id for it in a response ("call_..."); the parser leaves it empty
 };
 
 class ToolCallParser {

@@ -110,6 +110,103 @@ TEST(OpenAiApi, RejectsInvalidRequests) {
   EXPECT_EQ(blamed(H, R"({"model":"m","messages":[{"role":"user","content":"x"}],"tools":[]})"), "tools");
 }
 
+// Tools: accepted as written, tool_choice "auto" by default with tools, "none" without; assistant
+// tool calls and tool results in the conversation.
+TEST(OpenAiApi, ParsesTools) {
+  const std::string tool = R"({"type":"function","function":{"name":"get_weather","description":"d",
+      "parameters":{"type":"object","properties":{"city":{"type":"string"}}},"strict":false}})";
+  const ApiRequest r = chat(R"({"model":"m","messages":[{"role":"user","content":"x"},
+      {"role":"assistant","content":null,"reasoning_content":"hm","tool_calls":[{"id":"call_1","type":"function",
+       "function":{"name":"get_weather","arguments":"{\"city\": \"Paris\"}"}}]},
+      {"role":"tool","tool_call_id":"call_1","content":"sunny"}],"tools":[)" + tool + R"(],"parallel_tool_calls":false})");
+  ASSERT_EQ(r.tools.size(), 1u);
+  EXPECT_EQ(r.tools[0], json::parse(tool));
+  EXPECT_EQ(r.tool_choice, ToolChoice::Auto);
+  EXPECT_FALSE(r.parallel_tool_calls);
+  EXPECT_EQ(r.messages[1]["content"], "");
+  EXPECT_EQ(r.messages[1]["reasoning_content"], "hm");
+  EXPECT_EQ(r.messages[1]["tool_calls"][0]["function"]["arguments"], "{\"city\": \"Paris\"}");
+  EXPECT_EQ(r.messages[2]["tool_call_id"], "call_1");
+  const std::string base = R"({"model":"m","messages":[{"role":"user","content":"x"}],"tools":[)" + tool + "]";
+  EXPECT_EQ(chat(base + R"(,"tool_choice":"none"})").tool_choice, ToolChoice::None);
+  EXPECT_EQ(chat(base + R"(,"tool_choice":"auto"})").tool_choice, ToolChoice::Auto);
+  EXPECT_EQ(chat(R"({"model":"m","messages":[{"role":"user","content":"x"}],"tool_choice":"none"})").tool_choice,
+            ToolChoice::None);
+  EXPECT_EQ(chat(R"({"model":"m","messages":[{"role":"user","content":"x"}]})").tool_choice, ToolChoice::None);
+  EXPECT_TRUE(chat(R"({"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"text"}})").tools.empty());
+
+  // Arguments as objects for the templates that print or iterate them, as strings for DeepSeek's.
+  const json objects = template_messages(r.messages, true), strings = template_messages(r.messages, false);
+  EXPECT_EQ(objects[1]["tool_calls"][0]["function"]["arguments"], json({{"city", "Paris"}}));
+  EXPECT_EQ(strings[1]["tool_calls"][0]["function"]["arguments"], "{\"city\": \"Paris\"}");
+  const ApiRequest odd = chat(R"({"model":"m","messages":[{"role":"assistant","content":"","tool_calls":[
+      {"id":"a","type":"function","function":{"name":"f","arguments":"not json"}},
+      {"id":"b","type":"function","function":{"name":"f","arguments":"[1]"}}]}]})");
+  const json kept = template_messages(odd.messages, true);
+  EXPECT_EQ(kept[0]["tool_calls"][0]["function"]["arguments"], "not json");  // not an object: kept as written
+  EXPECT_EQ(kept[0]["tool_calls"][1]["function"]["arguments"], "[1]");
+}
+
+// Each invalid tool field is a 400 naming it; what needs constrained decoding is refused as such.
+TEST(OpenAiApi, RejectsInvalidTools) {
+  const Endpoint H = Endpoint::Chat;
+  const std::string head = R"({"model":"m","messages":[{"role":"user","content":"x"}],)";
+  const std::string ok = R"({"type":"function","function":{"name":"f"}})";
+  auto tools = [&](const std::string& t, const std::string& more = "") { return head + R"("tools":[)" + t + "]" + more + "}"; };
+  EXPECT_EQ(blamed(H, head + R"("tools":{}})"), "tools");
+  EXPECT_EQ(blamed(H, tools("3")), "tools[0]");
+  EXPECT_EQ(blamed(H, tools(R"({"function":{"name":"f"}})")), "tools[0].type");
+  EXPECT_EQ(blamed(H, tools(R"({"type":"code","function":{"name":"f"}})")), "tools[0].type");
+  EXPECT_EQ(blamed(H, tools(R"({"type":"function"})")), "tools[0].function");
+  EXPECT_EQ(blamed(H, tools(ok + R"(,{"type":"function","function":{"name":"g"}},{"type":"function","function":{}})")),
+            "tools[2].function.name");
+  EXPECT_EQ(blamed(H, tools(R"({"type":"function","function":{"name":7}})")), "tools[0].function.name");
+  EXPECT_EQ(blamed(H, tools(R"({"type":"function","function":{"name":"a b"}})")), "tools[0].function.name");
+  EXPECT_EQ(blamed(H, tools(R"({"type":"function","function":{"name":")" + std::string(65, 'a') + R"("}})")),
+            "tools[0].function.name");
+  EXPECT_EQ(blamed(H, tools(ok + "," + ok)), "tools[1].function.name");  // two tools of one name
+  EXPECT_EQ(blamed(H, tools(R"({"type":"function","function":{"name":"f","description":1}})")), "tools[0].function.description");
+  EXPECT_EQ(blamed(H, tools(R"({"type":"function","function":{"name":"f","parameters":"{}"}})")), "tools[0].function.parameters");
+  EXPECT_EQ(blamed(H, tools(R"({"type":"function","function":{"name":"f","strict":"yes"}})")), "tools[0].function.strict");
+  EXPECT_EQ(blamed(H, tools(ok, R"(,"tool_choice":"sometimes")")), "tool_choice");
+  EXPECT_EQ(blamed(H, tools(ok, R"(,"tool_choice":3)")), "tool_choice");
+  EXPECT_EQ(blamed(H, tools(ok, R"(,"tool_choice":{"type":"function","function":{"name":"g"}})")), "tool_choice");
+  EXPECT_EQ(blamed(H, tools(ok, R"(,"tool_choice":{"type":"function","function":{}})")), "tool_choice.function.name");
+  EXPECT_EQ(blamed(H, tools(ok, R"(,"tool_choice":{"type":"other","function":{"name":"f"}})")), "tool_choice.type");
+  EXPECT_EQ(blamed(H, head + R"("tool_choice":"auto"})"), "tool_choice");  // no tools to choose from
+  EXPECT_EQ(blamed(H, tools(ok, R"(,"parallel_tool_calls":1)")), "parallel_tool_calls");
+  for (const std::string& c : {std::string(R"("required")"), std::string(R"({"type":"function","function":{"name":"f"}})")}) {
+    try {
+      chat(tools(ok, R"(,"tool_choice":)" + c));
+      ADD_FAILURE() << "accepted tool_choice " << c;
+    } catch (const ApiError& e) {
+      EXPECT_EQ(e.param, "tool_choice");
+      EXPECT_NE(std::string(e.what()).find("not supported yet: it needs constrained decoding"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(blamed(H, head + R"("functions":[{"name":"f"}]})"), "functions");
+  EXPECT_EQ(blamed(H, head + R"("function_call":"auto"})"), "function_call");
+  EXPECT_EQ(blamed(H, head + R"("response_format":{"type":"json_object"}})"), "response_format");
+  // Messages: tool calls only from the assistant, each field checked; tool results name their call.
+  const std::string call = R"({"id":"c","type":"function","function":{"name":"f","arguments":"{}"}})";
+  auto msgs = [](const std::string& m) { return R"({"model":"m","messages":[)" + m + "]}"; };
+  EXPECT_EQ(blamed(H, msgs(R"({"role":"user","content":"x","tool_calls":[)" + call + "]}")), "messages[0].tool_calls");
+  EXPECT_EQ(blamed(H, msgs(R"({"role":"assistant","tool_calls":{}})")), "messages[0].tool_calls");
+  EXPECT_EQ(blamed(H, msgs(R"({"role":"assistant","tool_calls":[)" + call + R"(,{"type":"function","function":{"name":"f","arguments":"{}"}}]})")),
+            "messages[0].tool_calls[1].id");
+  EXPECT_EQ(blamed(H, msgs(R"({"role":"assistant","tool_calls":[{"id":"c","type":"x","function":{"name":"f","arguments":"{}"}}]})")),
+            "messages[0].tool_calls[0].type");
+  EXPECT_EQ(blamed(H, msgs(R"({"role":"assistant","tool_calls":[{"id":"c","type":"function"}]})")),
+            "messages[0].tool_calls[0].function");
+  EXPECT_EQ(blamed(H, msgs(R"({"role":"assistant","tool_calls":[{"id":"c","type":"function","function":{"arguments":"{}"}}]})")),
+            "messages[0].tool_calls[0].function.name");
+  EXPECT_EQ(blamed(H, msgs(R"({"role":"assistant","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":{}}}]})")),
+            "messages[0].tool_calls[0].function.arguments");
+  EXPECT_EQ(blamed(H, msgs(R"({"role":"assistant","content":"x","reasoning_content":5})")), "messages[0].reasoning_content");
+  EXPECT_EQ(blamed(H, msgs(R"({"role":"tool","content":"x"})")), "messages[0].tool_call_id");
+  EXPECT_EQ(blamed(H, msgs(R"({"role":"tool","content":"x","tool_call_id":1})")), "messages[0].tool_call_id");
+}
+
 TEST(OpenAiApi, RefusesDeepNesting) {
   EXPECT_EQ(json_nesting(R"({"a":[1,{"b":[]}]})"), 4u);
   EXPECT_EQ(json_nesting(R"({"a":"[[[[{{{{\"[["})"), 1u);  // brackets in strings, escaped quotes
@@ -170,6 +267,44 @@ TEST(OpenAiApi, BuildsResponsesAndChunks) {
   EXPECT_EQ(err["error"]["type"], "not_found_error");
   EXPECT_EQ(err["error"]["param"], "model");
   EXPECT_EQ(err["error"]["code"], "model_not_found");
+}
+
+// Tool calls and reasoning in a response (content null when there are only calls) and in chunks:
+// a call's head (index, id, type, name, empty arguments), then its arguments.
+TEST(OpenAiApi, BuildsToolCallsAndReasoning) {
+  Completion c;
+  c.id = "chatcmpl-1";
+  c.model = "m";
+  c.choices.resize(2);
+  c.choices[0].reasoning = "think";
+  c.choices[0].tool_calls = {{"get_weather", R"({"city":"Paris"})", "call_1"}, {"now", "{}", "call_2"}};
+  c.choices[0].finish_reason = "tool_calls";
+  c.choices[1].text = "hi";
+  c.choices[1].finish_reason = "stop";
+  const json r = response_json(Endpoint::Chat, c, false);
+  const json& m = r["choices"][0]["message"];
+  EXPECT_TRUE(m["content"].is_null());
+  EXPECT_EQ(m["reasoning_content"], "think");
+  ASSERT_EQ(m["tool_calls"].size(), 2u);
+  EXPECT_EQ(m["tool_calls"][0], json::parse(R"({"id":"call_1","type":"function","function":{"name":"get_weather",
+      "arguments":"{\"city\":\"Paris\"}"}})"));
+  EXPECT_EQ(m["tool_calls"][1]["function"]["name"], "now");
+  EXPECT_EQ(r["choices"][0]["finish_reason"], "tool_calls");
+  EXPECT_EQ(r["choices"][1]["message"], json::parse(R"({"role":"assistant","content":"hi"})"));  // nothing else
+
+  const json head = tool_call_chunk_json(c, 0, 1, c.choices[0].tool_calls[1], true);
+  EXPECT_EQ(head["object"], "chat.completion.chunk");
+  EXPECT_EQ(head["choices"][0]["index"], 0);
+  EXPECT_EQ(head["choices"][0]["delta"], json::parse(R"({"tool_calls":[{"index":1,"id":"call_2","type":"function",
+      "function":{"name":"now","arguments":""}}]})"));
+  EXPECT_TRUE(head["choices"][0]["finish_reason"].is_null());
+  const json args = tool_call_chunk_json(c, 1, 0, c.choices[0].tool_calls[0], false);
+  EXPECT_EQ(args["choices"][0]["index"], 1);
+  EXPECT_EQ(args["choices"][0]["delta"], json::parse(R"({"tool_calls":[{"index":0,"function":{"arguments":"{\"city\":\"Paris\"}"}}]})"));
+  const json thinking = chunk_json(Endpoint::Chat, c, 0, "", {}, false, "", false, "hmm");
+  EXPECT_EQ(thinking["choices"][0]["delta"], json::parse(R"({"reasoning_content":"hmm"})"));
+  const json first = chunk_json(Endpoint::Chat, c, 0, "", {}, false, "", true, "hmm");
+  EXPECT_EQ(first["choices"][0]["delta"], json::parse(R"({"role":"assistant","reasoning_content":"hmm","content":""})"));
 }
 
 // n choices: indices 0..n-1 in order, each with its own text, log-probabilities and finish;
