@@ -11,7 +11,7 @@ namespace kestrel::cuda {
 
 // smem: per warp E choice floats, 32 group scores and 32 selections.
 __device__ inline void route_tokens(const PProgram& P, const PInstr& in, float* smem) {
-  const DRouter& r = P.layers[in.layer].moe.router;
+  const DRouter& r = layer_of(P, in.layer).moe.router;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x / 32, E = P.experts, K = P.top_k;
   float* choice = smem + size_t(warp) * (E + 64);
   float* gscore = choice + E;
@@ -20,7 +20,7 @@ __device__ inline void route_tokens(const PProgram& P, const PInstr& in, float* 
     select_experts<false>(r, P.router + size_t(b) * E, choice, gscore, sel, P.route_e + size_t(b) * K,
                           P.route_w + size_t(b) * K, lane);
   // The distinct experts in index order: a thread per expert looks for it among the batch's
-  // choices, and a ballot per warp and a running base across passes of 256 experts number them.
+  // choices, and a ballot per warp and a running base across passes of a block's threads number them.
   __shared__ int chosen[8 * 32];  // batch x top_k, at most 8 x 32
   __shared__ int warp_count[kPersistentThreads / 32];
   __shared__ int base;
@@ -60,7 +60,7 @@ template <int B>
 __device__ void expert_gate_up(const PProgram& P, const PInstr& in, uint8_t* stage, uint64_t* bar, uint32_t& parity) {
   const int e = P.position_expert[in.c];
   if (e < 0) return;
-  const DMoe& m = P.layers[in.layer].moe;
+  const DMoe& m = layer_of(P, in.layer).moe;
   const DLinear& G = m.gate[e - m.first_expert];
   const DLinear& U = m.up[e - m.first_expert];
   uint32_t at = 0;
@@ -77,7 +77,7 @@ __device__ void expert_gate_up(const PProgram& P, const PInstr& in, uint8_t* sta
     }
   }
   float* xn = block_xn(P);
-  norm_rows(P, P.layers[in.layer].ffn_norm, ffn_norm_point(in.layer), xn);
+  norm_rows(P, layer_of(P, in.layer).ffn_norm, ffn_norm_point(in.layer), xn);
   trace_mark(P, 0);
   float* mid = P.expert_mid;
   const int I = P.expert_rows, Pn = P.positions, p = in.c;
@@ -97,9 +97,9 @@ __device__ void expert_gate_up(const PProgram& P, const PInstr& in, uint8_t* sta
 
 template <int B>
 __device__ void shared_gate_up(const PProgram& P, const PInstr& in, const uint8_t* stage) {
-  const DMoe& m = P.layers[in.layer].moe;
+  const DMoe& m = layer_of(P, in.layer).moe;
   float* xn = block_xn(P);
-  norm_rows(P, P.layers[in.layer].ffn_norm, ffn_norm_point(in.layer), xn);
+  norm_rows(P, layer_of(P, in.layer).ffn_norm, ffn_norm_point(in.layer), xn);
   const int S = P.shared_rows;
   uint32_t at = 0;
   product_gated_rows<B>(P, m.shared_gate, m.shared_up, in.a, in.b, xn, P.hidden, stage, &at, RowsOut{P.shared_mid, S, 0});
@@ -112,7 +112,7 @@ __device__ void shared_gate_up(const PProgram& P, const PInstr& in, const uint8_
 constexpr int kDownRows = 64;
 
 __device__ inline void expert_down(const PProgram& P, const PInstr& in, float* smem) {
-  const DMoe& m = P.layers[in.layer].moe;
+  const DMoe& m = layer_of(P, in.layer).moe;
   const int K = P.top_k, I = P.expert_rows, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   constexpr int warps = kPersistentThreads / 32, R = 4;
   for (int p = threadIdx.x; p < P.positions; p += blockDim.x) {
@@ -121,16 +121,17 @@ __device__ inline void expert_down(const PProgram& P, const PInstr& in, float* s
   }
   const int J = K + (m.has_shared ? 1 : 0);  // products per row: the experts, then the shared experts
   float* part = smem;                        // [kDownRows][J]
+  __shared__ int order[32];  // the token's slots with their experts in index order (top_k is at most 32)
   for (int b = 0; b < P.batch; ++b) {
-    // The token's experts in index order (top_k is at most 32).
-    int order[32];
-    for (int j = 0; j < K; ++j) order[j] = j;
-    for (int j = 1; j < K; ++j)
-      for (int i = j; i > 0 && P.route_e[b * K + order[i]] < P.route_e[b * K + order[i - 1]]; --i) {
-        const int t = order[i];
-        order[i] = order[i - 1];
-        order[i - 1] = t;
-      }
+    // A thread per slot counts the slots whose experts come first (the experts are distinct): a
+    // sort in registers, not in a thread's local memory, where each step was an L2 round trip.
+    if (threadIdx.x < K) {
+      const int e = P.route_e[b * K + threadIdx.x];
+      int rank = 0;
+      for (int j = 0; j < K; ++j) rank += P.route_e[b * K + j] < e;
+      order[rank] = threadIdx.x;
+    }
+    __syncthreads();
     for (int r0 = in.a; r0 < in.b; r0 += kDownRows) {
       const int n = min(kDownRows, in.b - r0), groups = (n + R - 1) / R;
       for (int it = warp; it < groups * J; it += warps) {

@@ -25,7 +25,7 @@ __device__ inline void embed_rows(const PProgram& P) {
 // Rows [a, b) of q | k | v: a tile never straddles a head, so it lies in one of the three.
 template <int B>
 __device__ void norm_qkv(const PProgram& P, const PInstr& in, const uint8_t* stage) {
-  const DLayer& L = P.layers[in.layer];
+  const DLayer& L = layer_of(P, in.layer);
   float* xn = block_xn(P);
   norm_rows(P, L.attn_norm, attn_norm_point(in.layer), xn);
   trace_mark(P, 0);
@@ -43,13 +43,13 @@ template <int B>
 __device__ void o_proj(const PProgram& P, const PInstr& in, const uint8_t* stage) {
   const int qr = P.heads * P.head_dim;
   uint32_t at = 0;
-  product_rows<B>(P, P.layers[in.layer].o, in.a, in.b, P.att, qr, stage, &at, RowsOut{P.x, P.hidden, 1});
+  product_rows<B>(P, layer_of(P, in.layer).o, in.a, in.b, P.att, qr, stage, &at, RowsOut{P.x, P.hidden, 1});
   trace_mark(P, 0);
 }
 
 template <int B>
 __device__ void norm_router(const PProgram& P, const PInstr& in, const uint8_t* stage) {
-  const DLayer& L = P.layers[in.layer];
+  const DLayer& L = layer_of(P, in.layer);
   float* xn = block_xn(P);
   norm_rows(P, L.ffn_norm, ffn_norm_point(in.layer), xn);
   trace_mark(P, 0);
@@ -59,7 +59,7 @@ __device__ void norm_router(const PProgram& P, const PInstr& in, const uint8_t* 
 
 template <int B>
 __device__ void mlp_gate_up(const PProgram& P, const PInstr& in, const uint8_t* stage) {
-  const DLayer& L = P.layers[in.layer];
+  const DLayer& L = layer_of(P, in.layer);
   float* xn = block_xn(P);
   norm_rows(P, L.ffn_norm, ffn_norm_point(in.layer), xn);
   uint32_t at = 0;
@@ -69,7 +69,7 @@ __device__ void mlp_gate_up(const PProgram& P, const PInstr& in, const uint8_t* 
 template <int B>
 __device__ void mlp_down(const PProgram& P, const PInstr& in, const uint8_t* stage) {
   uint32_t at = 0;
-  product_rows<B>(P, P.layers[in.layer].down, in.a, in.b, P.mid, P.mlp_rows, stage, &at, RowsOut{P.x, P.hidden, 1});
+  product_rows<B>(P, layer_of(P, in.layer).down, in.a, in.b, P.mid, P.mlp_rows, stage, &at, RowsOut{P.x, P.hidden, 1});
 }
 
 template <int B>

@@ -31,6 +31,34 @@ __device__ __forceinline__ void trace_mark(const PProgram& P, int k) {
   if (P.trace && threadIdx.x == 0) trace_marks[k] = clock64();
 }
 
+// The descriptors of the layer the block's instruction is in, copied into shared memory by warp 1
+// before the instruction's wait (load_layer): the wait's acquire fence empties the L1, and the
+// weights streaming through the L2 may have evicted them from there, so a read of P.layers after
+// the wait would be a round trip on the tile's path (docs/PERF.md v32).
+__shared__ DLayer s_layer;
+__shared__ KvLayer s_kv;
+__shared__ int s_layer_at;  // the layer s_layer and s_kv describe, or -1
+
+__device__ __forceinline__ const DLayer& layer_of(const PProgram& P, int l) { return l == s_layer_at ? s_layer : P.layers[l]; }
+__device__ __forceinline__ const KvLayer& kv_of(const PProgram& P, int l) { return l == s_layer_at ? s_kv : P.kv[l]; }
+
+template <class D>
+__device__ __forceinline__ void copy_words(D& dst, const D& src, int lane) {
+  static_assert(sizeof(D) % 8 == 0 && alignof(D) >= 8, "descriptors copy in 8-byte words");
+  const uint2* s = reinterpret_cast<const uint2*>(&src);
+  uint2* d = reinterpret_cast<uint2*>(&dst);
+  for (int i = lane; i < int(sizeof(D) / 8); i += 32) d[i] = s[i];
+}
+// By the lanes of warp 1, before the wait: layer l's descriptors into s_layer and s_kv unless they
+// hold them already (the other warps read them only past the barrier that ends the wait).
+__device__ __forceinline__ void load_layer(const PProgram& P, int l, int lane) {
+  if (l < 0 || l == s_layer_at) return;
+  copy_words(s_layer, P.layers[l], lane);
+  copy_words(s_kv, P.kv[l], lane);
+  __syncwarp();
+  if (lane == 0) s_layer_at = l;
+}
+
 // The point of the step whose normalized rows the block's scratch holds (kNoNormPoint at its
 // start): 2l for layer l's attention input, 2l + 1 for its FFN input, -1 for the final norm. Every
 // tile that normalizes at one point runs while the residual rows are the same (they wait for all

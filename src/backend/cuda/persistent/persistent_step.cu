@@ -21,8 +21,33 @@ namespace {
 
 static_assert(std::is_trivially_copyable_v<DLayer>, "layers are copied to the device as they are");
 
-// staged: the instruction's weights in the stage (weights.cuh), else null. The expert tiles
-// fill the stage themselves (bar, parity: its barrier and the phase it completes next).
+// staged: the instruction's weights (an attention split: its cached rows) in the stage
+// (weights.cuh), else null. The expert tiles fill the stage themselves (bar, parity: its barrier
+// and the phase it completes next).
+__device__ __forceinline__ uint8_t* stage_now(const uint8_t* staged, uint8_t* stage) { return staged ? stage : nullptr; }
+
+// By lane 0 of warp 1, before the wait, once the layer's descriptors are in s_layer: the small
+// vectors the instruction reads after its wait (norm weights, the experts' descriptors) into the L2.
+__device__ __forceinline__ void prefetch_vectors(const PProgram& P, const PInstr& in) {
+  const DLayer& L = s_layer;
+  const uint32_t H = uint32_t(P.hidden) * 4;
+  switch (StepOp(in.op)) {
+    case StepOp::AttnNormQkv: return bulk_prefetch_l2(L.attn_norm, H);
+    case StepOp::FfnNormRouter:
+    case StepOp::SharedGateUp:
+    case StepOp::MlpGateUp: return bulk_prefetch_l2(L.ffn_norm, H);
+    case StepOp::ExpertGateUp:
+      bulk_prefetch_l2(L.ffn_norm, H);
+      bulk_prefetch_l2(L.moe.gate, uint32_t(L.moe.local_experts) * sizeof(DLinear));
+      return bulk_prefetch_l2(L.moe.up, uint32_t(L.moe.local_experts) * sizeof(DLinear));
+    case StepOp::ExpertDown: return bulk_prefetch_l2(L.moe.down, uint32_t(L.moe.local_experts) * sizeof(DLinear));
+    case StepOp::AttnSplit:
+      if (L.q_norm) bulk_prefetch_l2(L.q_norm, uint32_t(P.head_dim) * 4);
+      if (L.k_norm) bulk_prefetch_l2(L.k_norm, uint32_t(P.head_dim) * 4);
+      return bulk_prefetch_l2(P.rope.inv_freq, uint32_t(P.rope.rotary_dim / 2) * 4);
+    default: return;
+  }
+}
 template <int B, class T>
 __device__ void run_instr(const PProgram& P, const PInstr& in, float* smem, const uint8_t* staged, uint8_t* stage,
                           uint64_t* bar, uint32_t& parity) {
@@ -30,7 +55,7 @@ __device__ void run_instr(const PProgram& P, const PInstr& in, float* smem, cons
   switch (StepOp(in.op)) {
     case StepOp::Embed: return embed_rows(P);
     case StepOp::AttnNormQkv: return norm_qkv<B>(P, in, st);
-    case StepOp::AttnSplit: return attn_split<T>(P, in, smem);
+    case StepOp::AttnSplit: return attn_split<T>(P, in, smem, stage_now(staged, stage));
     case StepOp::AttnCombine: return attn_combine(P, in, smem);
     case StepOp::OProj: return o_proj<B>(P, in, st);
     case StepOp::FfnNormRouter: return norm_router<B>(P, in, st);
@@ -69,6 +94,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_step_kernel(
     round = *P.epoch + 1;
     failed = 0;
     xn_point = kNoNormPoint;
+    s_layer_at = -1;
     mbar_init(&stage_bar);
   }
   __syncthreads();
@@ -83,8 +109,12 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_step_kernel(
     // The next split's cached rows (they wait on nothing) into the L2 by warp 0, during this one.
     if ((in.waits & kSplitNext) && threadIdx.x < 32) attn_split_prefetch<T>(P, P.instrs[P.queue[k + 1]], threadIdx.x);
     if (threadIdx.x < 32) {  // the weights first: they wait on nothing
-      const bool st = stage_instr(P, i, stage, &stage_bar, threadIdx.x);
+      const bool st = StepOp(in.op) == StepOp::AttnSplit ? stage_split<T>(P, in, stage, &stage_bar, threadIdx.x)
+                                                         : stage_instr(P, i, stage, &stage_bar, threadIdx.x);
       if (threadIdx.x == 0) staged_now = st;
+    } else if (threadIdx.x < 64 && in.layer >= 0) {  // the layer's descriptors, then its vectors
+      load_layer(P, in.layer, threadIdx.x - 32);
+      if (threadIdx.x == 32) prefetch_vectors(P, in);
     }
     if (threadIdx.x == 0) {
       if (k + kPrefetchAhead < end) prefetch_instr(P, P.queue[k + kPrefetchAhead]);
@@ -254,7 +284,7 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
   if (used + (16 << 10) > kSmemMax)
     fail("persistent step: ", used, " bytes of shared memory before the weight stage (the attention's ", scratch,
          " at context ", kv.max_context(), " over ", p.splits, " splits)");
-  const uint32_t stage_bytes = uint32_t(std::min<size_t>(kStageBytes, kSmemMax - used - 1024));
+  const uint32_t stage_bytes = uint32_t(std::min<size_t>(kStageBytes, kSmemMax - used - 4096));  // 4 KB: the kernel's static shared memory
   d_->smem = used + stage_bytes;
   P.stage_offset = uint32_t(used);
   P.stage_bytes = stage_bytes;

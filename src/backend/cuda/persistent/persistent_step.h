@@ -1,9 +1,9 @@
 // The persistent decode step: one launch of one resident block per SM interprets a step plan
 // (plan/step_plan.h): each block runs its queue, waiting on counters before an instruction and
 // advancing one after it, so a tile of the next op starts as soon as its inputs exist. The ops
-// (persistent/op_*.cuh) compute what cpu::run_step_plan computes. This first interpreter keeps
-// each op plain (CUDA cores, weights read as they are used); the weight pages that load the next
-// instructions' weights during a wait are the next step (docs/PERF.md v28).
+// (persistent/op_*.cuh) compute what cpu::run_step_plan computes. A tile's weights (a split's
+// cached rows) come into the block's stage by bulk copies before its wait; docs/ARCHITECTURE.md
+// walks a token through it, docs/PERF.md (v29-) says what it costs per op.
 #pragma once
 #include <cuda_runtime.h>
 
