@@ -142,7 +142,7 @@ std::string ToolCallParser::finish(std::vector<ToolCall>& calls) {
            (!j.contains("arguments") || j["arguments"].is_object());
       if (ok)
         found.push_back({j["name"].get<std::string>(),
-                         compact(j.contains("parameters") ? j["parameters"] : j.value("arguments", json::object()))});
+                         compact(j.contains("parameters") ? j["parameters"] : j.value("arguments", json::object())), {}});
       if (semi == std::string_view::npos) break;
       from = semi + 1;
     }
@@ -167,7 +167,7 @@ bool ToolCallParser::parse_block(const std::string& block, std::vector<ToolCall>
       json args = j.value("arguments", json::object());
       if (args.is_string()) args = parse_object(args.get<std::string>());
       if (!args.is_object()) return false;
-      calls.push_back({j["name"].get<std::string>(), compact(args)});
+      calls.push_back({j["name"].get<std::string>(), compact(args), {}});
       return true;
     }
     case ToolFormat::Glm: {
@@ -196,7 +196,7 @@ bool ToolCallParser::parse_block(const std::string& block, std::vector<ToolCall>
         at = b.find(kArgKey, v1 + kArgValueEnd.size());
         if (at == std::string_view::npos && !trim(b.substr(v1 + kArgValueEnd.size())).empty()) return false;
       }
-      calls.push_back({name, compact(args)});
+      calls.push_back({name, compact(args), {}});
       return true;
     }
     case ToolFormat::DeepSeek: {
@@ -219,7 +219,7 @@ bool ToolCallParser::parse_block(const std::string& block, std::vector<ToolCall>
       }
       const json args = parse_object(trim(args_text));
       if (name.empty() || args.is_discarded()) return false;
-      calls.push_back({name, compact(args)});
+      calls.push_back({name, compact(args), {}});
       return true;
     }
     default: return false;
