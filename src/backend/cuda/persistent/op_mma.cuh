@@ -39,38 +39,6 @@ __device__ __forceinline__ SlotChunk staged_chunk(const uint8_t* codes, const ui
   return r;
 }
 
-// acc[i][m] += word i of chunk c of matrix m's rows times the fragment row xf: slot_chunks_mma's
-// products, with the chunk's four words on four accumulators, so that a chunk's 16 MMAs form four
-// chains of four instead of one of sixteen (a tile gives a warp few chunks: the chain's latency,
-// not the tensor core, was its time).
-template <int M>
-__device__ __forceinline__ void chunk_mma4(const SlotChunk (&r)[M], const uint32_t* __restrict__ xf, int c, int j,
-                                           float (&acc)[4][M][4]) {
-  __half2 sa[M][2], sb[M][2];
-  #pragma unroll
-  for (int m = 0; m < M; ++m) scale_pair_h2(r[m].sa, sa[m][0], sa[m][1]), scale_pair_h2(r[m].sb, sb[m][0], sb[m][1]);
-  const uint4* xb = reinterpret_cast<const uint4*>(xf) + c * 32 + j;  // k-step s at xb[4 s]
-  #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    uint32_t pa[M][4], pb[M][4];
-    #pragma unroll
-    for (int m = 0; m < M; ++m) e2m1x8_h2(word_of(r[m].qa, i), pa[m]), e2m1x8_h2(word_of(r[m].qb, i), pb[m]);
-    #pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      const uint4 b = xb[4 * (2 * i + p)];
-      #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const uint32_t a[4] = {h2_bits(__hmul2(bits_h2(pa[m][2 * p]), sa[m][i >> 1])),
-                               h2_bits(__hmul2(bits_h2(pb[m][2 * p]), sb[m][i >> 1])),
-                               h2_bits(__hmul2(bits_h2(pa[m][2 * p + 1]), sa[m][i >> 1])),
-                               h2_bits(__hmul2(bits_h2(pb[m][2 * p + 1]), sb[m][i >> 1]))};
-        mma_16816(acc[i][m], a, b.x, b.y);
-        mma_16816(acc[i][m], a, b.z, b.w);
-      }
-    }
-  }
-}
-
 // Where a product tile's results go: row r of token b to dst[b * ld + r], added to what is there
 // when `add` (the residual).
 struct RowsOut {
@@ -107,14 +75,14 @@ __device__ __noinline__ void mma_rows(const DLinear (&W)[M], const StagedRows (&
   const uint32_t* xr = xf + (g % Bt) * mma_frag_words(K);
   for (int rg = warp / parts; rg < ng && warp < (ng >= warps ? warps : ng * parts); rg += warps / parts) {
     const int part = warp % parts, la = min(16 * rg + g, n - 1), lb = min(16 * rg + 8 + g, n - 1);
-    float acc[4][M][4];
+    // Two accumulators, alternate chunks: a chunk's 16 MMAs chain through theirs.
+    float acc[2][M][4];
     #pragma unroll
-    for (int u = 0; u < 4; ++u)
+    for (int u = 0; u < 2; ++u)
       #pragma unroll
       for (int m = 0; m < M; ++m)
         #pragma unroll
         for (int q = 0; q < 4; ++q) acc[u][m][q] = 0.0f;
-    // Two chunks' loads first, then their products.
     #pragma unroll 1
     for (int c = part; c < nc; c += 2 * parts) {
       SlotChunk ch[2][M];
@@ -123,8 +91,8 @@ __device__ __noinline__ void mma_rows(const DLinear (&W)[M], const StagedRows (&
         ch[0][m] = staged_chunk(stage + s[m].codes, stage + s[m].scales, s[m], la, lb, c, j);
         if (c + parts < nc) ch[1][m] = staged_chunk(stage + s[m].codes, stage + s[m].scales, s[m], la, lb, c + parts, j);
       }
-      chunk_mma4<M>(ch[0], xr, c, j, acc);
-      if (c + parts < nc) chunk_mma4<M>(ch[1], xr, c + parts, j, acc);
+      slot_chunks_mma<M>(ch[0], xr, c, j, acc[0]);
+      if (c + parts < nc) slot_chunks_mma<M>(ch[1], xr, c + parts, j, acc[1]);
     }
     // Lane (g, j): rows 16rg + g (q 0, 1) and 16rg + 8 + g (q 2, 3), tokens 2j and 2j + 1.
     #pragma unroll
@@ -132,14 +100,12 @@ __device__ __noinline__ void mma_rows(const DLinear (&W)[M], const StagedRows (&
       const int r = q < 2 ? g : 8 + g, b = 2 * j + (q & 1), row = 16 * rg + r;
       if (parts > 1) {
         #pragma unroll
-        for (int m = 0; m < M; ++m)
-          red[((warp * M + m) * 16 + r) * 8 + b] = (acc[0][m][q] + acc[1][m][q]) + (acc[2][m][q] + acc[3][m][q]);
+        for (int m = 0; m < M; ++m) red[((warp * M + m) * 16 + r) * 8 + b] = acc[0][m][q] + acc[1][m][q];
       } else if (row < n && b < batch) {
         float v[M];
         #pragma unroll
         for (int m = 0; m < M; ++m)
-          v[m] = ((acc[0][m][q] + acc[1][m][q]) + (acc[2][m][q] + acc[3][m][q])) * mma_unscale(W[m]) +
-                 (W[m].bias ? W[m].bias[r0 + row] : 0.0f);
+          v[m] = (acc[0][m][q] + acc[1][m][q]) * mma_unscale(W[m]) + (W[m].bias ? W[m].bias[r0 + row] : 0.0f);
         out(r0 + row, b, rows_result<M>(v));
       }
     }
