@@ -74,25 +74,7 @@ done
 # (always), and the real model quantized to NVFP4 (when fetched; too large to carry to a GPU machine).
 pdir=$(mktemp -d)
 cp -r tests/fixtures/glm5-nvfp4 "$pdir/m"
-python3 - "$pdir/m/tokenizer.json" <<'PY'
-import json, sys
-# GPT-2's byte-to-character table: printable bytes map to themselves, the rest to 256 + i.
-keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-chars, extra = {}, 0
-for b in range(256):
-    if b in keep:
-        chars[b] = chr(b)
-    else:
-        chars[b] = chr(256 + extra)
-        extra += 1
-vocab = {chars[b]: b for b in range(256)}
-json.dump({"version": "1.0", "added_tokens": [], "normalizer": None,
-           "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
-           "post_processor": None, "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-           "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                     "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                     "vocab": vocab, "merges": []}}, open(sys.argv[1], "w"))
-PY
+python3 scripts/make_byte_tokenizer.py "$pdir/m/tokenizer.json"
 # ppl_cuda_vs_cpu ID LABEL MODEL BYTES CONTEXT STRIDE: perplexity of the first BYTES of the committed text.
 ppl_cuda_vs_cpu() {
   head -c "$4" docs/data/pride_and_prejudice_ch1.txt >"$OUT/slice_$1.txt"
@@ -121,6 +103,61 @@ if [ -f "$gguf" ]; then
 fi
 "$BUILD/src/kestrel" profile --model "$fx" --steps 10 --plot "$OUT/profile_fixture.svg" >>"$OUT/cli.txt" 2>&1 &&
   echo "cli: kestrel profile on $fx: ok" | tee -a "$OUT/cli.txt"
+
+# Serving over HTTP on the GPU: 48 concurrent clients' greedy replies equal to the same requests
+# sent one at a time, on a dense BF16 fixture with its chat tokenizer and on the NVFP4 MoE fixture
+# given the same tokenizer; then `kestrel loadgen` at 48 streams, the server healthy afterwards.
+if "$BUILD/src/kestrel" serve --help >/dev/null 2>&1; then
+  sdir=$(mktemp -d)
+  cp -rL "$fx" "$sdir/moe"
+  cp tests/fixtures/qwen3-chat/{tokenizer.json,tokenizer_config.json,generation_config.json} "$sdir/moe/"
+  for m in tests/fixtures/qwen3-chat "$sdir/moe"; do
+    set +e
+    python3 tests/server/concurrent_equals_serial.py "$BUILD/src/kestrel" "$m" --streams 48 --requests 96 --max-tokens 32 \
+      -- --device cuda >"$OUT/serve_$(basename "$m").log" 2>&1
+    rc=$?
+    set -e
+    echo "cli: kestrel serve --device cuda on $m, 48 concurrent clients against one at a time: exit $rc ($(tail -1 "$OUT/serve_$(basename "$m").log"))" |
+      tee -a "$OUT/cli.txt"
+    [ $rc -ne 0 ] && tests_rc=$rc
+  done
+  "$BUILD/src/kestrel" serve --model "$sdir/moe" --device cuda --port 0 2>"$OUT/serve_loadgen.log" &
+  spid=$!
+  for _ in $(seq 100); do grep -q "on http://" "$OUT/serve_loadgen.log" && break; sleep 0.2; done
+  port=$(grep -o "on http://[0-9.]*:[0-9]*" "$OUT/serve_loadgen.log" | sed 's/.*://')
+  set +e
+  "$BUILD/src/kestrel" loadgen --url "http://127.0.0.1:$port" --streams 48 --requests 192 --prompt-tokens 16 --max-tokens 32 --chat \
+    --json "$OUT/loadgen_fixture.json" >"$OUT/loadgen_fixture.txt" 2>&1
+  rc=$?
+  curl -sf "http://127.0.0.1:$port/health" >/dev/null || rc=8
+  kill -TERM $spid
+  wait $spid || rc=9
+  set -e
+  echo "cli: kestrel loadgen, 48 streams on the GPU-served MoE fixture: exit $rc" | tee -a "$OUT/cli.txt"
+  [ $rc -ne 0 ] && tests_rc=$rc
+  # A full-size random-weight model served (byte tokens, and a readable token for every other id):
+  # throughput and time to first token at 1, 16 and 64 streams.
+  if [ -z "${SKIP_BENCH:-}" ]; then
+    mkdir -p "$sdir/tok"
+    python3 scripts/make_byte_tokenizer.py "$sdir/tok/tokenizer.json" --vocab 151936
+    "$BUILD/src/kestrel" serve --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --tokenizer "$sdir/tok" \
+      --max-batch 64 --context 2048 --port 0 2>"$OUT/serve_random.log" &
+    spid=$!
+    for _ in $(seq 600); do grep -q "on http://" "$OUT/serve_random.log" && break; sleep 0.2; done
+    port=$(grep -o "on http://[0-9.]*:[0-9]*" "$OUT/serve_random.log" | sed 's/.*://')
+    for n in 1 16 64; do
+      echo "== kestrel loadgen --streams $n on serve --config configs/qwen3-30b-a3b-nvfp4.json --random-weights" >>"$OUT/serve_bench.txt"
+      "$BUILD/src/kestrel" loadgen --url "http://127.0.0.1:$port" --streams $n --requests $((n < 8 ? 8 : 2 * n)) \
+        --prompt-tokens 32 --max-tokens 64 --json "$OUT/loadgen_random_$n.json" >>"$OUT/serve_bench.txt" 2>&1 ||
+        echo "cli: kestrel loadgen --streams $n on the random-weight server failed" | tee -a "$OUT/cli.txt"
+    done
+    kill -TERM $spid
+    wait $spid || echo "cli: the random-weight server did not stop cleanly" | tee -a "$OUT/cli.txt"
+  fi
+  rm -rf "$sdir"
+else
+  echo "cli: this build has no kestrel serve (cpp-httplib missing: scripts/gpu_deps.sh carries it)" | tee -a "$OUT/cli.txt"
+fi
 
 # A split model through the commands: --tp over every GPU present (one GPU: the split code path
 # with one rank), and expert parallelism with two or more.
@@ -236,5 +273,6 @@ printf "tests: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$
 grep -h "random Qwen3" "$OUT/gpu_tests.log" || true
 grep "^cli:" "$OUT/cli.txt" || true
 [ -f "$OUT/allreduce.json" ] && cat "$OUT/allreduce.txt" || true
+[ -f "$OUT/serve_bench.txt" ] && grep -E "^== |ok, |TTFT|tokens/s" "$OUT/serve_bench.txt" || true
 [ -f "$OUT/bench.txt" ] && grep -E "^== |^prefill|^ *tokens +ms|^ *(batch|[0-9])|^  [a-z_]+ +[0-9]|^  total|^  between ops|^  step \(graph\)|^ *persistent step|^extrapolated|^ *[a-z0-9.-]+ +B=" "$OUT/bench.txt" | grep -v "random weights" || true
 exit $tests_rc

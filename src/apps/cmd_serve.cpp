@@ -14,6 +14,8 @@
 #include "apps/model_options.h"
 #include "apps/runner.h"
 #include "common/error.h"
+#include "formats/json_file.h"
+#include "model/model_config.h"
 #include "model/weights.h"
 #include "backend/cpu/forward.h"
 #include "runtime/engine.h"
@@ -40,6 +42,8 @@ constexpr int kMaxGpuBatch = 64;  // cuda::GpuSlots::kMaxSlots, for the help tex
 
 struct Options {
   std::string model, host = "127.0.0.1", api_key, name;
+  std::string config, tokenizer;  // --config with --random-weights: a configuration's shapes, random
+  bool random_weights = false;
   int port = 8000, max_batch = 16, threads = 0;
   int64_t context = 0, kv_tokens = 0, kv_blocks = 0;
   std::string kv_memory;
@@ -126,7 +130,13 @@ int64_t kv_positions(const Options& o, const ModelConfig& c) {
 
 Run add_serve(CLI::App& app) {
   auto o = std::make_shared<Options>();
-  app.add_option("--model", o->model, "Model: Hugging Face folder, .gguf file, or a folder holding one .gguf")->required();
+  app.add_option("--model", o->model, "Model: Hugging Face folder, .gguf file, or a folder holding one .gguf");
+  app.add_option("--config", o->config,
+                 "config.json whose shapes get random weights on the GPU (with --random-weights and --tokenizer): "
+                 "serving measured at a real model's size without its weights");
+  app.add_flag("--random-weights", o->random_weights, "With --config: random weights (the replies are noise)");
+  app.add_option("--tokenizer", o->tokenizer,
+                 "With --random-weights: a folder with tokenizer.json (and tokenizer_config.json for chat)");
   app.add_option("--host", o->host, "Address to listen on (default 127.0.0.1: this machine only)");
   app.add_option("--port", o->port, "Port (default 8000; 0 picks a free one)");
   app.add_option("--api-key", o->api_key, "Require 'Authorization: Bearer KEY' (default: no key)");
@@ -161,7 +171,16 @@ Run add_serve(CLI::App& app) {
     if (o->port < 0 || o->port > 65535) fail("--port: expected 0..65535, got ", o->port);
     if (o->grace < 0) fail("--grace: must be >= 0");
     const server::HttpLimits limits = http_limits(*o);
-    if (!std::filesystem::exists(o->model)) fail(o->model, ": no such file or folder");
+    if (o->model.empty() == o->config.empty()) fail("serve: give either --model PATH or --config FILE --random-weights");
+    if (!o->config.empty() && !o->random_weights) fail("serve: --config needs --random-weights");
+    if (o->random_weights && o->config.empty()) fail("serve: --random-weights needs --config FILE");
+    if (o->random_weights == o->tokenizer.empty())
+      fail(o->random_weights ? "serve: --random-weights needs --tokenizer DIR (the configuration has no tokenizer)"
+                             : "serve: --tokenizer: only with --random-weights (a model brings its own)");
+    const std::string& source = o->random_weights ? o->tokenizer : o->model;  // tokenizer and chat template
+    if (!std::filesystem::exists(o->random_weights ? o->config : o->model))
+      fail(o->random_weights ? o->config : o->model, ": no such file or folder");
+    if (o->random_weights && !std::filesystem::exists(o->tokenizer)) fail(o->tokenizer, ": no such file or folder");
     // Signals go to the waiting thread below, not to whichever thread they happen to hit.
     sigset_t signals;
     sigemptyset(&signals);
@@ -169,11 +188,22 @@ Run add_serve(CLI::App& app) {
     sigaddset(&signals, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-    const text::Tokenizer tok = text::load_tokenizer_for_model(o->model);
-    auto model = load_model_as(o->model, o->quant, o->progress);
+    const text::Tokenizer tok = text::load_tokenizer_for_model(source);
+    std::unique_ptr<Model> model;
+    if (o->random_weights) {  // the configuration alone: the engine reads it, the GPU holds the weights
+      if (o->quant != "none") fail("--quant: not with --random-weights (the configuration says the formats)");
+      if (o->device == "cpu") fail("--random-weights: the weights are made on the GPU (not --device cpu)");
+      model = std::make_unique<Model>();
+      model->config = parse_model_config_and_quant(read_json_file(o->config), o->config);
+      if (int64_t(tok.vocab_size()) > model->config.vocab_size)
+        fail("--tokenizer ", o->tokenizer, ": ", tok.vocab_size(), " tokens, more than the configuration's vocabulary of ",
+             model->config.vocab_size);
+    } else {
+      model = load_model_as(o->model, o->quant, o->progress);
+    }
     std::optional<text::ModelChat> chat;
     try {
-      chat = text::load_model_chat(*model, o->model);
+      chat = text::load_model_chat(*model, source);
     } catch (const Error& e) {
       std::fprintf(stderr, "kestrel: no chat template (%s); /v1/chat/completions will answer 400\n", e.what());
     }
@@ -189,6 +219,7 @@ Run add_serve(CLI::App& app) {
     std::unique_ptr<SequenceSlots> slots;
 #ifdef KESTREL_HAVE_CUDA
     std::unique_ptr<cuda::GpuModel> gpus;
+    if (o->random_weights && !gpu_present()) fail("--random-weights: no CUDA GPU is visible (the weights are made on it)");
     if (o->device == "cuda" || (o->device == "auto" && gpu_present())) {
       const cuda::KvType kv = kv_type_for(model->config, o->kv_dtype);  // a refused --kv-dtype is the user's error
       // --kv-memory was counted in float32 positions: a BF16 pool holds twice as many.
@@ -200,7 +231,9 @@ Run add_serve(CLI::App& app) {
                        eo.max_batch, kMaxGpuBatch, kMaxGpuBatch);
           eo.max_batch = kMaxGpuBatch;
         }
-        gpus = std::make_unique<cuda::GpuModel>(*model, eo.layout);
+        if (o->random_weights && eo.layout.split()) fail("--random-weights: one GPU (no --tp/--ep)");
+        gpus = o->random_weights ? std::make_unique<cuda::GpuModel>(model->config)
+                                 : std::make_unique<cuda::GpuModel>(*model, eo.layout);
         auto gpu_slots =
             std::make_unique<cuda::GpuSlots>(*gpus, eo.max_batch, int(engine_context(*model, eo)), kv_gpu, kv,
                                              eo.prefix_cache);
@@ -212,7 +245,7 @@ Run add_serve(CLI::App& app) {
                            : "what fits in 90% of the free GPU memory; --kv-tokens/--kv-memory set it");
         slots = std::move(gpu_slots);
       } catch (const Error& e) {
-        if (o->device == "cuda") throw;
+        if (o->device == "cuda" || o->random_weights) throw;
         std::fprintf(stderr, "kestrel: serving on the CPU: %s\n", e.what());
         slots.reset();
         gpus.reset();
@@ -222,6 +255,7 @@ Run add_serve(CLI::App& app) {
     }
 #else
     if (o->device == "cuda") fail("--device cuda: this kestrel was built without CUDA");
+    if (o->random_weights) fail("--random-weights: this kestrel was built without CUDA");
 #endif
     if (!slots && o->kv_dtype == "bf16") fail("--kv-dtype bf16: the CPU backend caches keys and values as float32");
     if (!o->test_scripted_reply.empty()) {
@@ -241,7 +275,10 @@ Run add_serve(CLI::App& app) {
     so.api_key = o->api_key;
     so.limits = limits;
     so.allow_special_in_content = o->allow_special;
-    so.model_name = o->name.empty() ? std::filesystem::path(o->model).filename().replace_extension().string() : o->name;
+    const std::filesystem::path named = o->random_weights ? o->config : o->model;
+    so.model_name = !o->name.empty()        ? o->name
+                    : o->random_weights ? named.stem().string() + "-random"
+                                        : named.filename().replace_extension().string();
     if (so.model_name.empty()) so.model_name = "model";
     server::HttpServer http(engine, tok, chat, so);
     const int port = http.bind();

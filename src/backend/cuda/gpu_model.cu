@@ -5,6 +5,13 @@
 
 namespace kestrel::cuda {
 
+namespace {
+std::string gpu_name() {
+  cudaDeviceProp p{};
+  return cudaGetDeviceProperties(&p, 0) == cudaSuccess ? std::string(p.name) : std::string("GPU 0");
+}
+}  // namespace
+
 GpuModel::GpuModel(const Model& m, const Layout& layout) : layout_(layout) {
   if (!layout.split()) {
     UploadOptions o;
@@ -25,8 +32,13 @@ GpuModel::GpuModel(const Model& m, const Layout& layout) : layout_(layout) {
     group_->run([&](int r) { parts_[size_t(r)] = DeviceModel::upload(*shards[size_t(r)], o); });
     meter.report();
   }
-  cudaDeviceProp p{};
-  if (cudaGetDeviceProperties(&p, 0) == cudaSuccess) gpu_ = p.name;
+  gpu_ = gpu_name();
+}
+
+GpuModel::GpuModel(const ModelConfig& c) {
+  parts_.push_back(DeviceModel::random(c));
+  KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  gpu_ = gpu_name();
 }
 
 GpuModel::~GpuModel() {

@@ -16,6 +16,9 @@ namespace kestrel::cuda {
 class GpuModel {
  public:
   GpuModel(const Model& m, const Layout& layout);
+  // Random weights of a configuration's shapes on GPU 0 (DeviceModel::random), unsplit: serving
+  // measured at a real model's size without its weights (`serve --random-weights`).
+  explicit GpuModel(const ModelConfig& c);
   ~GpuModel();
   GpuModel(const GpuModel&) = delete;
   GpuModel& operator=(const GpuModel&) = delete;
