@@ -64,11 +64,11 @@ __device__ void expert_gate_up(const PProgram& P, const PInstr& in, uint8_t* sta
   const DLinear& G = m.gate[e - m.first_expert];
   const DLinear& U = m.up[e - m.first_expert];
   uint32_t at = 0;
-  const StagedRows sg = stage_rows(G, in.a, in.b, &at, B), su = stage_rows(U, in.a, in.b, &at, B);
+  const StagedRows sg = stage_rows_packed(G, in.a, in.b, &at), su = stage_rows_packed(U, in.a, in.b, &at);
   const bool mma = mma_tile_fits(G, B) && mma_tile_fits(U, B) && G.in == U.in && at <= P.stage_bytes;
   if (threadIdx.x < 32) {
     if (mma) {
-      const uint32_t bytes = 2u * uint32_t(in.b - in.a) * uint32_t(G.in / 2 + G.in / 16);  // copied: the rows, not the padding
+      const uint32_t bytes = at;  // both matrices' rows
       stage_matrix(G, in.a, in.b, sg, stage, bar, bytes, threadIdx.x);
       stage_matrix(U, in.a, in.b, su, stage, bar, 0, threadIdx.x);
     } else if (threadIdx.x == 0) {
@@ -111,27 +111,75 @@ __device__ void shared_gate_up(const PProgram& P, const PInstr& in, const uint8_
 // thread per row adds them in the CPU's order. smem: kDownRows x (top_k + 1) floats.
 constexpr int kDownRows = 64;
 
-__device__ inline void expert_down(const PProgram& P, const PInstr& in, float* smem) {
+// The rows of the experts' down matrices come into the stage once the wait is over (the route
+// has chosen them), a position's rows [a, b) at p * down_stage_bytes, when every position's fit
+// there (few tokens); otherwise into the L2 and from there as they are read.
+__device__ __forceinline__ uint32_t down_stage_bytes(const DLinear& W, int a, int b) {
+  uint32_t at = 0;
+  stage_rows_packed(W, a, b, &at);
+  return at;
+}
+
+__device__ inline void expert_down(const PProgram& P, const PInstr& in, float* smem, uint8_t* stage, uint64_t* bar,
+                                   uint32_t& parity) {
   const DMoe& m = layer_of(P, in.layer).moe;
   const int K = P.top_k, I = P.expert_rows, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   constexpr int warps = kPersistentThreads / 32, R = 4;
-  for (int p = threadIdx.x; p < P.positions; p += blockDim.x) {
-    const int e = P.position_expert[p];
-    if (e >= 0) bulk_prefetch_rows(m.down[e - m.first_expert], in.a, in.b);
+  // slot_down_mma: every expert's down is NVFP4 of the first's shape, so one expert's layout holds for all.
+  const DLinear& D0 = m.down[0];
+  const uint32_t per = down_stage_bytes(D0, in.a, in.b);
+  const bool staged = m.slot_down_mma && packed_rows_fit(D0, in.a, in.b) &&
+                      uint64_t(per) * uint64_t(P.positions) <= P.stage_bytes;
+  if (staged && warp == 0) {
+    uint32_t total = 0;
+    for (int p = lane; p < P.positions; p += 32) total += P.position_expert[p] >= 0 ? per : 0u;
+    total = __reduce_add_sync(0xffffffffu, total);
+    if (lane == 0) stage_expect(bar, total);
+    __syncwarp();
+    for (int p = lane; p < P.positions; p += 32) {
+      const int e = P.position_expert[p];
+      if (e < 0) continue;
+      const DLinear& W = m.down[e - m.first_expert];
+      uint32_t at = uint32_t(p) * per;
+      const StagedRows s = stage_rows_packed(W, in.a, in.b, &at);
+      const uint32_t n = uint32_t(in.b - in.a);
+      bulk_copy(stage + s.codes, W.data + uint64_t(in.a) * (W.in / 2), n * uint32_t(W.in / 2), bar);
+      bulk_copy(stage + s.scales, W.scales + uint64_t(in.a) * (W.in / 16), n * uint32_t(W.in / 16), bar);
+    }
+  } else if (!staged) {
+    for (int p = threadIdx.x; p < P.positions; p += blockDim.x) {
+      const int e = P.position_expert[p];
+      if (e >= 0) bulk_prefetch_rows(m.down[e - m.first_expert], in.a, in.b);
+    }
   }
   const int J = K + (m.has_shared ? 1 : 0);  // products per row: the experts, then the shared experts
   float* part = smem;                        // [kDownRows][J]
-  __shared__ int order[32];  // the token's slots with their experts in index order (top_k is at most 32)
+  // The token's slots: their experts, weights and positions read once, a thread per slot (each
+  // read from the L2 is a round trip on the tile's path), then in the experts' index order.
+  __shared__ int slot_e[32], slot_p[32], order[32];  // top_k is at most 32
+  __shared__ float slot_w[32];
   for (int b = 0; b < P.batch; ++b) {
-    // A thread per slot counts the slots whose experts come first (the experts are distinct): a
-    // sort in registers, not in a thread's local memory, where each step was an L2 round trip.
     if (threadIdx.x < K) {
       const int e = P.route_e[b * K + threadIdx.x];
+      slot_e[threadIdx.x] = e;
+      slot_w[threadIdx.x] = P.route_w[b * K + threadIdx.x];
+      slot_p[threadIdx.x] = P.expert_position[e];
+    }
+    __syncthreads();
+    // A thread per slot counts the slots whose experts come first (the experts are distinct).
+    if (threadIdx.x < K) {
+      const int e = slot_e[threadIdx.x];
       int rank = 0;
-      for (int j = 0; j < K; ++j) rank += P.route_e[b * K + j] < e;
+      for (int j = 0; j < K; ++j) rank += slot_e[j] < e;
       order[rank] = threadIdx.x;
     }
     __syncthreads();
+    trace_mark(P, 1);
+    if (staged && b == 0) {
+      mbar_wait(bar, parity);
+      parity ^= 1u;
+      trace_mark(P, 2);
+    }
     for (int r0 = in.a; r0 < in.b; r0 += kDownRows) {
       const int n = min(kDownRows, in.b - r0), groups = (n + R - 1) / R;
       for (int it = warp; it < groups * J; it += warps) {
@@ -141,10 +189,17 @@ __device__ inline void expert_down(const PProgram& P, const PInstr& in, float* s
         for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
         float w = 1.0f;
         if (j < K) {
-          const int e = P.route_e[b * K + order[j]];
-          w = P.route_w[b * K + order[j]];
-          rows_dot_partial<R, 1, false>(m.down[e - m.first_expert], row,
-                                        P.expert_mid + (size_t(b) * P.positions + P.expert_position[e]) * I, I, lane, acc);
+          const int e = slot_e[order[j]], p = slot_p[order[j]];
+          w = slot_w[order[j]];
+          const float* mid = P.expert_mid + (size_t(b) * P.positions + p) * I;
+          const DLinear& W = m.down[e - m.first_expert];
+          if (staged) {
+            uint32_t at = uint32_t(p) * per;
+            rows_dot_partial<R, 1, true>(kestrel::cuda::staged(W, in.a, in.b, stage, stage_rows_packed(W, in.a, in.b, &at)),
+                                         row, mid, I, lane, acc);
+          } else {
+            rows_dot_partial<R, 1, false>(W, row, mid, I, lane, acc);
+          }
         } else {
           rows_dot_partial<R, 1, false>(m.shared_down, row, P.shared_mid + size_t(b) * P.shared_rows, P.shared_rows, lane, acc);
         }

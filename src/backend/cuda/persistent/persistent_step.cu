@@ -62,7 +62,7 @@ __device__ void run_instr(const PProgram& P, const PInstr& in, float* smem, cons
     case StepOp::Route: return route_tokens(P, in, smem);
     case StepOp::ExpertGateUp: return expert_gate_up<B>(P, in, stage, bar, parity);
     case StepOp::SharedGateUp: return shared_gate_up<B>(P, in, st);
-    case StepOp::ExpertDown: return expert_down(P, in, smem);
+    case StepOp::ExpertDown: return expert_down(P, in, smem, stage, bar, parity);
     case StepOp::MlpGateUp: return mlp_gate_up<B>(P, in, st);
     case StepOp::MlpDown: return mlp_down<B>(P, in, st);
     case StepOp::HeadNormLogits: return head_logits<B>(P, in);
@@ -230,7 +230,8 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
   if (int(p.queues.size()) > sm_count())
     fail("persistent step: the plan has ", p.queues.size(), " queues; this GPU has ", sm_count(), " SMs");
   if (p.hidden % 4 != 0 || p.hidden > kRowNormMax) fail("persistent step: hidden size ", p.hidden, " (a multiple of 4 up to ", kRowNormMax, ")");
-  if (p.head_dim > kMaxHeadDim) fail("persistent step: heads of ", p.head_dim, " dimensions (at most ", kMaxHeadDim, ")");
+  if (p.head_dim > kMaxHeadDim || p.head_dim % 2)
+    fail("persistent step: heads of ", p.head_dim, " dimensions (an even number up to ", kMaxHeadDim, ")");
   if (c.experts_per_token > 32) fail("persistent step: at most 32 experts per token, not ", c.experts_per_token);
   std::vector<void*>& owned = d_->owned;
   PProgram& P = d_->program;
@@ -356,8 +357,8 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
       if (in.op == StepOp::ExpertGateUp) {  // as expert_gate_up decides on the device (up: gate's shape and format)
         const DLinear& G = l->moe.expert_gate;
         uint32_t need = 0;
-        stage_rows(G, int(in.a), int(in.b), &need, Bt);
-        stage_rows(G, int(in.a), int(in.b), &need, Bt);
+        stage_rows_packed(G, int(in.a), int(in.b), &need);
+        stage_rows_packed(G, int(in.a), int(in.b), &need);
         mma_tiles += mma_tile_fits(G, Bt) && need <= stage_bytes;
       }
       for (size_t r = first; r < ranges.size(); ++r)

@@ -67,6 +67,24 @@ __host__ __device__ inline StagedRows stage_rows(const DLinear& W, int r0, int r
   return s;
 }
 
+// Rows [r0, r1) of an NVFP4 W of whole 256-weight units as two contiguous runs (codes, then
+// scales) at *at, *at moving past both: one bulk copy each, for tiles whose rows are known only
+// after their wait (the experts'), where a copy per padded row costs more to issue than the
+// padding saves in bank conflicts (docs/PERF.md v33).
+__host__ __device__ inline StagedRows stage_rows_packed(const DLinear& W, int r0, int r1, uint32_t* at) {
+  const uint32_t n = uint32_t(r1 - r0), codes = *at;
+  *at += n * uint32_t(W.in / 2);
+  const uint32_t scales = *at;
+  *at += n * uint32_t(W.in / 16);
+  return {codes, scales, uint32_t(W.in / 2), uint32_t(W.in / 16)};
+}
+// Whether rows [r0, r1) of W copy as stage_rows_packed's runs (16-byte aligned whole units).
+__host__ __device__ inline bool packed_rows_fit(const DLinear& W, int r0, int r1) {
+  const uint64_t c = uint64_t(W.in) / 2, sc = uint64_t(W.in) / 16;
+  return W.format == DFormat::NVFP4 && W.in % 32 == 0 && (uint64_t(r0) * c) % 16 == 0 && (uint64_t(r1 - r0) * c) % 16 == 0 &&
+         (uint64_t(r0) * sc) % 16 == 0 && (uint64_t(r1 - r0) * sc) % 16 == 0;
+}
+
 // W as the stage holds rows [r0, r1) of it: the same row numbers, read from shared memory (the
 // rows past r1 a warp's last group reads are clamped to r1 - 1, inside the stage).
 __device__ __forceinline__ DLinear staged(const DLinear& W, int r0, int r1, const uint8_t* stage, StagedRows s) {
@@ -162,15 +180,16 @@ __device__ __forceinline__ bool stage_instr(const PProgram& P, int32_t i, uint8_
 }
 
 // By warp 0, once a tile's matrix is known on the device (the experts'): rows [r0, r1) of W into
-// the stage as stage_rows lays them out (s). Lane 0 announces `total`, the bytes of every matrix
-// the tile copies, with its first.
+// the stage as stage_rows_packed lays them out (s). Lane 0 announces `total`, the bytes of every
+// matrix the tile copies, with its first.
+// Rows laid out by stage_rows_packed: two copies, by lanes 0 and 1.
 __device__ __forceinline__ void stage_matrix(const DLinear& W, int r0, int r1, const StagedRows& s, uint8_t* stage,
                                              uint64_t* bar, uint32_t total, int lane) {
   if (total && lane == 0) stage_expect(bar, total);
   __syncwarp();
   const uint32_t n = uint32_t(r1 - r0);
-  copy_runs(stage + s.codes, W.data + uint64_t(r0) * (W.in / 2), uint32_t(W.in / 2), n, s.codes_stride, bar, lane);
-  copy_runs(stage + s.scales, W.scales + uint64_t(r0) * (W.in / 16), uint32_t(W.in / 16), n, s.scales_stride, bar, lane);
+  if (lane == 0) bulk_copy(stage + s.codes, W.data + uint64_t(r0) * (W.in / 2), n * uint32_t(W.in / 2), bar);
+  if (lane == 1) bulk_copy(stage + s.scales, W.scales + uint64_t(r0) * (W.in / 16), n * uint32_t(W.in / 16), bar);
 }
 
 }  // namespace kestrel::cuda
