@@ -94,6 +94,9 @@ TEST(ToolCalls, LlamaJsonIsTheWholeReply) {
                     {"", {{"get_weather", R"({"city":"Paris"})"}}});
   expect_everywhere(ToolFormat::LlamaJson, "<|python_tag|>{\"name\": \"a\", \"parameters\": {}}; {\"name\": \"b\", \"parameters\": {\"x\": 1}}",
                     {"", {{"a", "{}"}, {"b", R"({"x":1})"}}});
+  // A ';' inside a string (escaped quotes too) does not separate calls.
+  expect_everywhere(ToolFormat::LlamaJson, R"({"name": "a", "parameters": {"q": "x; \"y;\""}}; {"name": "b", "parameters": {}})",
+                    {"", {{"a", R"({"q":"x; \"y;\""})"}, {"b", "{}"}}});
   // Text, or JSON that is not a call: content.
   expect_everywhere(ToolFormat::LlamaJson, "It is {sunny}.", {"It is {sunny}.", {}});
   expect_everywhere(ToolFormat::LlamaJson, "  {\"answer\": 4}", {"  {\"answer\": 4}", {}});
