@@ -120,6 +120,7 @@ struct HttpServer::Generation : HttpProducer {
   }
   bool finished() const { return open == 0; }
   bool logprobs() const { return req.top_logprobs >= 0; }
+  bool forced_calls() const { return req.tool_choice == ToolChoice::Required || req.tool_choice == ToolChoice::Named; }
 
   void start(std::function<void()> wake) override { stream->set_notify(std::move(wake)); }
 
@@ -253,6 +254,8 @@ struct HttpServer::Generation : HttpProducer {
       r.content += last.content;
       for (ToolCall& t : last.calls) r.calls.push_back(std::move(t));
     }
+    // A forced call's grammar allows nothing but calls: what is left is the separators between them.
+    if (forced_calls() && r.content.find_first_not_of(" \t\r\n") == std::string::npos) r.content.clear();
     if (!req.parallel_tool_calls && ch.tool_calls.size() + r.calls.size() > 1)
       r.calls.resize(ch.tool_calls.empty() ? 1 : 0);
     for (ToolCall& t : r.calls) t.id = new_call_id();

@@ -207,7 +207,9 @@ bool ToolCallParser::parse_block(const std::string& block, std::vector<ToolCall>
         if (tool != types_.end())
           if (auto p = tool->second.find(key); p != tool->second.end()) type = p->second;
         json parsed = type.empty() || type == "string" ? json(json::value_t::discarded) : json::parse(value, nullptr, false);
-        args[key] = parsed.is_discarded() ? json(value) : parsed;
+        // A parameter of no declared type (an enum, say) loses the spaces around its value; a
+        // string's are its own.
+        args[key] = parsed.is_discarded() ? json(type.empty() ? std::string(trim(value)) : value) : parsed;
         at = b.find(kArgKey, v1 + kArgValueEnd.size());
         if (at == std::string_view::npos && !trim(b.substr(v1 + kArgValueEnd.size())).empty()) return false;
       }

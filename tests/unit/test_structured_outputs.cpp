@@ -7,11 +7,13 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <random>
 #include <thread>
 
 #include "fixture.h"
 #include "model/weights.h"
 #include "runtime/engine.h"
+#include "server/chat_reply.h"
 #include "server/grammar.h"
 #include "server/http_server.h"
 #include "text/model_chat.h"
@@ -136,6 +138,58 @@ TEST_F(Grammar, ToolCallsInQwenFormat) {
   const CompiledConstraint plain = grammars_->tool_calls(tools, ToolFormat::None, "", false);
   EXPECT_TRUE(feed(plain, R"({"name": "noop", "parameters": {}})").second);
   EXPECT_NE(field([&] { grammars_->tool_calls(tools, ToolFormat::Hermes, "missing", false); }), "<accepted>");
+}
+
+// A random walk through the grammar (a uniformly drawn allowed token at each step) until it is
+// complete: the text it spells.
+std::string walk(const text::Tokenizer& tok, const CompiledConstraint& c, uint64_t seed, size_t most = 4000) {
+  std::mt19937_64 rng(seed);
+  auto m = c();
+  std::vector<int32_t> ids;
+  while (!m->ended() && ids.size() < most) {
+    std::vector<int32_t> allowed;
+    const auto mask = m->allowed();
+    for (size_t t = 0; t < mask.size() * 32; ++t)
+      if ((mask[t / 32] >> (t % 32)) & 1u) allowed.push_back(int32_t(t));
+    if (allowed.empty()) break;
+    const int32_t t = allowed[rng() % allowed.size()];
+    if (!m->accept(t)) break;
+    if (!m->ended() || tok.token(t).size()) ids.push_back(t);
+  }
+  EXPECT_TRUE(m->ended()) << tok.decode(ids);
+  return tok.decode(ids, true);
+}
+
+// Whatever a grammar of each tool-call format lets through, that format's parser reads back as
+// calls whose arguments fit the tool's schema (an enum and an integer range, checked by hand).
+TEST_F(Grammar, ToolCallGrammarsGiveWhatTheirParsersRead) {
+  const json tools = json::parse(R"([{"type":"function","function":{"name":"set_mode","parameters":{"type":"object",
+      "properties":{"mode":{"enum":["on","off"]},"level":{"type":"integer","minimum":1,"maximum":9}},
+      "required":["mode","level"]}}}])");
+  const auto types = tool_parameter_types(tools);
+  for (ToolFormat f : {ToolFormat::Hermes, ToolFormat::Glm, ToolFormat::None}) {
+    const ToolFormat parse_as = f == ToolFormat::None ? ToolFormat::LlamaJson : f;
+    for (bool parallel : {false, true}) {
+      const CompiledConstraint c = grammars_->tool_calls(tools, f, "", parallel);
+      for (uint64_t seed = 0; seed < 6; ++seed) {
+        const std::string text = walk(*tok_, c, seed);
+        ToolCallParser p(parse_as, types);
+        std::vector<ToolCall> calls;
+        std::string content = p.push(text, calls);
+        content += p.finish(calls);
+        // Only the separators between calls (which the server drops for a forced call).
+        EXPECT_EQ(content.find_first_not_of(" \n"), std::string::npos) << tool_format_name(f) << ": " << text;
+        ASSERT_GE(calls.size(), 1u) << tool_format_name(f) << ": " << text;
+        if (!parallel) EXPECT_EQ(calls.size(), 1u) << text;
+        for (const ToolCall& call : calls) {
+          EXPECT_EQ(call.name, "set_mode");
+          const json a = json::parse(call.arguments);
+          EXPECT_TRUE(a["mode"] == "on" || a["mode"] == "off") << tool_format_name(f) << ": " << text;
+          EXPECT_TRUE(a["level"].is_number_integer() && a["level"] >= 1 && a["level"] <= 9) << text;
+        }
+      }
+    }
+  }
 }
 
 // The endpoints in process on the fixture model (unscripted: its own noise, constrained).
