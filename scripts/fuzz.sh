@@ -8,6 +8,10 @@ BUILD=build-fuzz
 [ -f "$BUILD/build.ninja" ] || CC=clang CXX=clang++ cmake -S . -B "$BUILD" -G Ninja -DKESTREL_FUZZ=ON \
   -DKESTREL_TESTS=OFF -DKESTREL_CUDA=OFF -DKESTREL_NATIVE=OFF >/dev/null
 targets=$(sed -n 's/^foreach(target \(.*\))$/\1/p' fuzz/CMakeLists.txt)
+# Targets built only with some dependencies (fuzz_json_schema: where the server is), where configured.
+for t in $(sed -n 's/^  add_executable(\(fuzz_[a-z_]*\) .*/\1/p' fuzz/CMakeLists.txt); do
+  if cmake --build "$BUILD" --target help | grep -q "^$t:"; then targets="$targets $t"; fi
+done
 cmake --build "$BUILD" --target $targets
 for t in $targets; do
   seeds=fuzz/corpus/${t#fuzz_}

@@ -70,6 +70,8 @@ struct Engine::Sequence {
   std::shared_ptr<RequestStream> stream;
   int slot = -1;                 // in slots_, once started
   std::unique_ptr<Sampler> sampler;
+  std::unique_ptr<TokenConstraint> constraint;  // with req.constraint, made when the slot opens
+  std::vector<float> masked;     // the logits with the constraint's mask, when logprobs need them raw
   std::vector<float> logits;     // of the next token, after a step that produced them
   SequenceSlots::Sample offer;   // the backend may draw the next token instead (no logprobs asked)
   int32_t drawn = -1;            // what it drew, or -1
@@ -237,6 +239,7 @@ void Engine::step_all() {
         s.slot = o.slot;
         s.prefilled = size_t(o.cached);
         s.sampler = std::make_unique<Sampler>(s.req.sampling);
+        if (s.req.constraint) s.constraint = s.req.constraint();
         s.history = s.req.prompt;
         if (s.index == 0) s.stream->set_cached_tokens(o.cached);
         std::lock_guard<std::mutex> lock(mu_);
@@ -260,7 +263,8 @@ void Engine::step_all() {
       s.logits.resize(size_t(V));
       j.logits = s.logits.data();
       s.drawn = -1;
-      if (s.req.top_logprobs < 0) {  // log-probabilities need the logits on the host
+      // Log-probabilities and a constraint's mask need the logits on the host.
+      if (s.req.top_logprobs < 0 && !s.constraint) {
         s.offer.options = s.req.sampling;
         s.offer.draw = uint64_t(s.generated);
         s.offer.token = &s.drawn;
@@ -294,7 +298,15 @@ void Engine::emit(Sequence& s, int32_t drawn) {
   const std::vector<float>& logits = s.logits;
   TokenEvent e;
   e.index = s.index;
-  e.token = drawn >= 0 ? drawn : s.sampler->sample(logits, s.history, s.req.prompt.size());
+  if (s.constraint) {
+    // Masked in place unless the log-probabilities below need the model's own logits.
+    std::vector<float>& m = s.req.top_logprobs >= 0 ? s.masked : s.logits;
+    if (&m == &s.masked) m = logits;
+    apply_token_mask(m, s.constraint->allowed());
+    e.token = s.sampler->sample(m, s.history, s.req.prompt.size());
+  } else {
+    e.token = drawn >= 0 ? drawn : s.sampler->sample(logits, s.history, s.req.prompt.size());
+  }
   if (s.req.top_logprobs >= 0) {
     // log-softmax of the raw logits (what the model assigns, before sampling settings).
     const float mx = *std::max_element(logits.begin(), logits.end());
@@ -311,7 +323,14 @@ void Engine::emit(Sequence& s, int32_t drawn) {
     for (int i = 0; i < k; ++i) e.top.push_back({ids[size_t(i)], logits[size_t(ids[size_t(i)])] - lse});
   }
   const std::vector<int64_t>& eos = model_.config.eos_token_ids;
-  if (!s.req.ignore_eos && std::find(eos.begin(), eos.end(), int64_t(e.token)) != eos.end()) {
+  const bool is_eos = std::find(eos.begin(), eos.end(), int64_t(e.token)) != eos.end();
+  if (s.constraint && !s.constraint->accept(e.token)) {
+    finish(s, Finish::Error, cat("the grammar refused the token ", e.token, " its own mask allowed"));
+    return;
+  }
+  // A constrained choice ends on the end-of-sequence token only where its grammar may end (the mask
+  // allows it only there), ignore_eos or not.
+  if (is_eos && (!s.req.ignore_eos || s.constraint)) {
     finish(s, Finish::Eos);
     return;
   }
@@ -322,7 +341,8 @@ void Engine::emit(Sequence& s, int32_t drawn) {
     ++generated_tokens_;
   }
   s.stream->push(std::move(e));
-  if (s.generated >= s.req.max_tokens) finish(s, Finish::Length);
+  if (s.constraint && s.constraint->ended()) finish(s, Finish::Eos);  // complete: nothing may follow
+  else if (s.generated >= s.req.max_tokens) finish(s, Finish::Length);
 }
 
 void Engine::loop() {

@@ -27,6 +27,7 @@
 #include "parallel/layout.h"
 #include "runtime/sampler.h"
 #include "runtime/sequence_slots.h"
+#include "runtime/token_constraint.h"
 
 namespace kestrel {
 
@@ -47,6 +48,10 @@ struct GenerationRequest {
   int top_logprobs = -1;  // -1: no log-probabilities; n >= 0: the chosen token's and the n best
   bool ignore_eos = false;
   int n = 1;              // choices: sequences of this prompt; choice i samples with choice_seed(seed, i)
+  // Grammar-constrained decoding (token_constraint.h): each choice's tokens are masked by a
+  // constraint of its own, sampled on the host, and the choice ends (Finish::Eos) once the
+  // constraint is complete. Empty: unconstrained.
+  ConstraintFactory constraint;
 };
 
 // The seed of choice `index` of a request seeded with `seed`: choice 0 keeps the seed (so it

@@ -52,6 +52,24 @@ void apply_repetition_penalty(std::span<float> logits, std::span<const int32_t> 
   }
 }
 
+void apply_token_mask(std::span<float> logits, std::span<const uint32_t> mask) {
+  const float off = -std::numeric_limits<float>::infinity();
+  const size_t n = logits.size();
+  // Whole words first (none allowed is the common case outside strings, all allowed inside them),
+  // which the compiler turns into vector stores; bit by bit only where a word is mixed.
+  for (size_t w = 0; w * 32 < n; ++w) {
+    const uint32_t bits = w < mask.size() ? mask[w] : 0u;
+    if (bits == ~0u) continue;
+    float* l = logits.data() + w * 32;
+    const size_t len = std::min<size_t>(32, n - w * 32);
+    if (bits == 0) {
+      for (size_t i = 0; i < len; ++i) l[i] = off;
+      continue;
+    }
+    for (size_t i = 0; i < len; ++i) l[i] = (bits >> i) & 1u ? l[i] : off;
+  }
+}
+
 std::vector<float> sampling_distribution(std::span<const float> logits, const SamplerOptions& o) {
   const size_t n = logits.size();
   std::vector<float> p(n, 0.0f);

@@ -37,6 +37,11 @@ void apply_repetition_penalty(std::span<float> logits, std::span<const int32_t> 
 void apply_presence_frequency_penalty(std::span<float> logits, std::span<const int32_t> generated, float presence,
                                       float frequency);
 
+// Sets the logits of the tokens `mask` does not allow to -infinity (a TokenConstraint's mask: bit
+// t % 32 of word t / 32 for token t; tokens past the mask's end are not allowed). Sampling and
+// greedy decoding then never choose them.
+void apply_token_mask(std::span<float> logits, std::span<const uint32_t> mask);
+
 // The distribution sampling draws from: softmax(logits / temperature) restricted by top-k, top-p
 // and min-p, renormalized; removed tokens have probability 0. Needs temperature > 0.
 std::vector<float> sampling_distribution(std::span<const float> logits, const SamplerOptions& o);

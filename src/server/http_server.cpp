@@ -57,6 +57,12 @@ HttpReply json_reply(std::string body, int status = 200) {
   return r;
 }
 
+std::vector<int32_t> end_tokens(const ModelConfig& c) {
+  std::vector<int32_t> out;
+  for (int64_t t : c.eos_token_ids) out.push_back(int32_t(t));
+  return out;
+}
+
 HttpResponse error_response(const ApiError& e) {
   HttpResponse r;
   r.status = e.status;
@@ -114,6 +120,7 @@ struct HttpServer::Generation : HttpProducer {
   }
   bool finished() const { return open == 0; }
   bool logprobs() const { return req.top_logprobs >= 0; }
+  bool forced_calls() const { return req.tool_choice == ToolChoice::Required || req.tool_choice == ToolChoice::Named; }
 
   void start(std::function<void()> wake) override { stream->set_notify(std::move(wake)); }
 
@@ -247,6 +254,8 @@ struct HttpServer::Generation : HttpProducer {
       r.content += last.content;
       for (ToolCall& t : last.calls) r.calls.push_back(std::move(t));
     }
+    // A forced call's grammar allows nothing but calls: what is left is the separators between them.
+    if (forced_calls() && r.content.find_first_not_of(" \t\r\n") == std::string::npos) r.content.clear();
     if (!req.parallel_tool_calls && ch.tool_calls.size() + r.calls.size() > 1)
       r.calls.resize(ch.tool_calls.empty() ? 1 : 0);
     for (ToolCall& t : r.calls) t.id = new_call_id();
@@ -262,7 +271,12 @@ struct HttpServer::Generation : HttpProducer {
 };
 
 HttpServer::HttpServer(Engine& engine, const text::Tokenizer& tok, std::optional<text::ModelChat> chat, ServerOptions o)
-    : engine_(engine), tok_(tok), chat_(std::move(chat)), o_(std::move(o)), created_(unix_now()) {
+    : engine_(engine),
+      tok_(tok),
+      chat_(std::move(chat)),
+      o_(std::move(o)),
+      grammars_(tok, engine.model().config.vocab_size, end_tokens(engine.model().config)),
+      created_(unix_now()) {
   front_ = std::make_unique<HttpFront>(o_.limits, o_.api_key, routes(),
                                        [this](const std::string& route, int status) { metrics_.request(route, status); });
 }
@@ -308,10 +322,10 @@ HttpReply HttpServer::generate(Endpoint endpoint, const HttpRequest& http) {
     if (!chat_) throw ApiError(400, "this model has no chat template; use /v1/completions", "messages");
     // With tool_choice "none" the tools are not rendered (as vLLM does): a model shown tools may
     // call one, and with nothing parsing the call it would come back as content.
-    const bool with_tools = r.tool_choice == ToolChoice::Auto;
+    const bool with_tools = r.tool_choice != ToolChoice::None;
     const std::string& source = chat_->template_for(with_tools);
     const ToolFormat format = tool_format_of_template(source);
-    if (with_tools && format == ToolFormat::None)
+    if (r.tool_choice == ToolChoice::Auto && format == ToolFormat::None)
       throw ApiError(400, "the chat template of '" + o_.model_name +
                               "' renders no tools (or renders them in a format kestrel does not parse: it parses "
                               "Hermes/Qwen, GLM, DeepSeek and Llama JSON tool calls)",
@@ -328,14 +342,36 @@ HttpReply HttpServer::generate(Endpoint endpoint, const HttpRequest& http) {
       split.reasoning = prompt_opens_thinking(tok_.decode(std::span<const int32_t>(gr.prompt).last(tail), false));
     }
     if (with_tools) {
-      split.tools = format;
+      // A forced call of a model without a format of its own is the Llama JSON form (grammar.h).
+      split.tools = format == ToolFormat::None ? ToolFormat::LlamaJson : format;
       split.parameter_types = tool_parameter_types(r.tools);
+    }
+    if (r.tool_choice == ToolChoice::Required || r.tool_choice == ToolChoice::Named) {
+      try {
+        gr.constraint = grammars_.tool_calls(r.tools, format, r.tool_name, r.parallel_tool_calls,
+                                             split.reasoning.value_or(false), source.find("```json") != std::string::npos);
+      } catch (const RequestError& e) {
+        throw ApiError(400, e.what(), e.field);
+      } catch (const Error& e) {
+        throw ApiError(400, e.what(), "tool_choice");
+      }
     }
   } else {
     // The client writes the whole prompt here, template markers included: specials are parsed.
     gr.prompt = r.prompt_tokens.empty() ? tok_.encode(r.prompt, true, true) : r.prompt_tokens;
   }
   if (gr.prompt.empty()) throw ApiError(400, "the prompt encodes to no tokens", "prompt");
+  try {
+    const bool thinking = split.reasoning.value_or(false);
+    if (r.response_format == ResponseFormat::JsonObject)
+      gr.constraint = grammars_.json_object(thinking);
+    else if (r.response_format == ResponseFormat::JsonSchema)
+      gr.constraint = grammars_.json_schema(r.response_schema, r.schema_strict, "response_format.json_schema.schema", thinking);
+  } catch (const RequestError& e) {
+    throw ApiError(400, e.what(), e.field);
+  } catch (const Error& e) {
+    throw ApiError(400, e.what(), "response_format");
+  }
   const int64_t room = engine_.context() - int64_t(gr.prompt.size());
   if (room < 1)
     throw ApiError(400, "the prompt has " + std::to_string(gr.prompt.size()) + " tokens; the context holds " +

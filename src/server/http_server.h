@@ -8,6 +8,7 @@
 #include <string>
 
 #include "runtime/engine.h"
+#include "server/grammar.h"
 #include "server/http_front.h"
 #include "server/metrics.h"
 #include "server/openai_api.h"
@@ -46,6 +47,7 @@ class HttpServer {
   const text::Tokenizer& tok_;
   std::optional<text::ModelChat> chat_;
   ServerOptions o_;
+  Grammars grammars_;  // response_format and tool_choice "required" or named
   Metrics metrics_;
   std::unique_ptr<HttpFront> front_;
   int64_t created_;

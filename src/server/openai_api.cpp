@@ -119,22 +119,49 @@ json parse_tools(const json& t, std::set<std::string>& names) {
   return t;
 }
 
-ToolChoice parse_tool_choice(const json& c, const std::set<std::string>& names) {
-  const char* constrained = " is not supported yet: it needs constrained decoding, which kestrel does not have; use \"auto\"";
+ToolChoice parse_tool_choice(const json& c, const std::set<std::string>& names, std::string& name) {
   if (c.is_string()) {
     const std::string v = c.get<std::string>();
     if (v == "none") return ToolChoice::None;
     if (v == "auto") return ToolChoice::Auto;
-    if (v == "required") throw bad("tool_choice", std::string("\"required\"") + constrained);
+    if (v == "required") return ToolChoice::Required;
     throw bad("tool_choice", "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}, got '" + v + "'");
   }
   if (!c.is_object()) throw bad("tool_choice", std::string("expected a string or an object, got ") + type_name(c));
   if (need_string(c, "type", "tool_choice") != "function") throw bad("tool_choice.type", "must be \"function\"");
   if (!present(c, "function") || !c["function"].is_object())
     throw bad("tool_choice.function", "is required and must be an object");
-  const std::string name = need_string(c["function"], "name", "tool_choice.function");
-  if (!names.count(name)) throw bad("tool_choice", "names the function '" + name + "', which is not in tools");
-  throw bad("tool_choice", std::string("a named function") + constrained);
+  name = need_string(c["function"], "name", "tool_choice.function");
+  if (!names.count(name)) throw bad("tool_choice.function.name", "names the function '" + name + "', which is not in tools");
+  return ToolChoice::Named;
+}
+
+// response_format: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema",
+// "json_schema": {"name", "schema", "strict"?, "description"?}}.
+void parse_response_format(const json& f, ApiRequest& r) {
+  if (!f.is_object()) throw bad("response_format", std::string("expected an object, got ") + type_name(f));
+  const std::string type = need_string(f, "type", "response_format");
+  if (type == "text") return;
+  if (type == "json_object") {
+    r.response_format = ResponseFormat::JsonObject;
+    return;
+  }
+  if (type != "json_schema")
+    throw bad("response_format.type", "must be \"text\", \"json_object\" or \"json_schema\", got '" + type + "'");
+  if (!present(f, "json_schema") || !f["json_schema"].is_object())
+    throw bad("response_format.json_schema", "is required with type \"json_schema\" and must be an object");
+  const json& js = f["json_schema"];
+  const std::string name = need_string(js, "name", "response_format.json_schema");
+  if (!function_name_ok(name))
+    throw bad("response_format.json_schema.name", "must be 1 to 64 letters, digits, underscores or dashes, got '" + name + "'");
+  if (!present(js, "schema")) throw bad("response_format.json_schema.schema", "is required");
+  if (!js["schema"].is_object())
+    throw bad("response_format.json_schema.schema", std::string("expected a JSON schema object, got ") + type_name(js["schema"]));
+  if (present(js, "strict") && !js["strict"].is_boolean())
+    throw bad("response_format.json_schema.strict", std::string("expected a boolean, got ") + type_name(js["strict"]));
+  r.response_format = ResponseFormat::JsonSchema;
+  r.response_schema = js["schema"];
+  r.schema_strict = present(js, "strict") && js["strict"].get<bool>();
 }
 
 // An assistant message's tool_calls: [{id, type: "function", function: {name, arguments (a string)}}].
@@ -259,7 +286,7 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& body) {
     std::set<std::string> names;
     if (present(j, "tools")) r.tools = parse_tools(j["tools"], names);
     if (present(j, "tool_choice")) {
-      r.tool_choice = parse_tool_choice(j["tool_choice"], names);
+      r.tool_choice = parse_tool_choice(j["tool_choice"], names, r.tool_name);
       if (r.tool_choice != ToolChoice::None && names.empty()) throw bad("tool_choice", "needs tools");
     } else if (!names.empty()) {
       r.tool_choice = ToolChoice::Auto;
@@ -267,8 +294,9 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& body) {
     if (present(j, "parallel_tool_calls")) r.parallel_tool_calls = get_bool(j, "parallel_tool_calls");
     for (const char* k : {"functions", "function_call"})
       if (present(j, k)) throw bad(k, "is not supported (the legacy function calling); use tools");
-    if (present(j, "response_format") && !(j["response_format"].is_object() && j["response_format"].value("type", "") == "text"))
-      throw bad("response_format", "only {\"type\": \"text\"} is supported: JSON output needs constrained decoding, which kestrel does not have");
+    if (r.tool_choice == ToolChoice::Required || r.tool_choice == ToolChoice::Named)
+      if (present(j, "response_format") && j["response_format"].is_object() && j["response_format"].value("type", "") != "text")
+        throw bad("response_format", "cannot be combined with tool_choice \"required\" or a named function (the reply is the call)");
     const bool lp = present(j, "logprobs") && get_bool(j, "logprobs");
     if (present(j, "top_logprobs")) {
       const int n = int(get_int(j, "top_logprobs", 0, 20));
@@ -278,6 +306,8 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& body) {
       r.top_logprobs = 0;
     }
   }
+
+  if (present(j, "response_format")) parse_response_format(j["response_format"], r);
 
   const int64_t kMaxTokens = 1 << 30;
   if (present(j, "max_completion_tokens")) r.max_tokens = int(get_int(j, "max_completion_tokens", 0, kMaxTokens));

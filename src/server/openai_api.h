@@ -31,9 +31,13 @@ std::string error_body(const ApiError& e);
 
 enum class Endpoint { Completions, Chat };
 
-// tool_choice: "none" (the tools are not rendered and nothing is parsed) or "auto" (the model may
-// call them). "required" and a named function need constrained decoding and are refused.
-enum class ToolChoice { None, Auto };
+// tool_choice: "none" (the tools are not rendered and nothing is parsed), "auto" (the model may
+// call them), "required" (it must call one or more: the reply is constrained to calls, see
+// server/grammar.h) or a named function (it must call that one).
+enum class ToolChoice { None, Auto, Required, Named };
+
+// response_format: text, any JSON object, or JSON valid against a schema (constrained decoding).
+enum class ResponseFormat { Text, JsonObject, JsonSchema };
 
 struct ApiRequest {
   Endpoint endpoint = Endpoint::Completions;
@@ -45,7 +49,11 @@ struct ApiRequest {
   json messages = json::array();
   json tools = json::array();             // chat: the validated tools, as the client wrote them
   ToolChoice tool_choice = ToolChoice::None;  // "auto" when tools come without a tool_choice
+  std::string tool_name;                  // ToolChoice::Named: the function
   bool parallel_tool_calls = true;        // false: a reply's first call only
+  ResponseFormat response_format = ResponseFormat::Text;
+  json response_schema;                   // JsonSchema: response_format.json_schema.schema
+  bool schema_strict = false;             // response_format.json_schema.strict
   std::optional<int> max_tokens;          // absent: 16 for completions, the rest of the context for chat
   bool stream = false, include_usage = false;
   SamplerOptions sampling;
@@ -67,7 +75,7 @@ size_t json_nesting(std::string_view text);
 
 // Parses a request body. Throws ApiError (400) on invalid JSON, wrong types, missing fields,
 // values out of range and options kestrel does not support (best_of other than n, suffix,
-// functions, tool_choice "required" or a named function, response_format other than text).
+// functions). Schemas are checked when they are compiled (server/grammar.h).
 ApiRequest parse_request(Endpoint endpoint, const std::string& body);
 
 // The messages as a chat template takes them. Tool-call arguments, a JSON string in the API, become

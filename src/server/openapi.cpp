@@ -23,6 +23,18 @@ json common_properties(const std::string& model, int64_t context, int max_n) {
       {"stop", {{"oneOf", json::array({{{"type", "string"}, {"minLength", 1}},
                                        {{"type", "array"}, {"maxItems", 4}, {"items", {{"type", "string"}, {"minLength", 1}}}}})}}},
       {"stream", {{"type", "boolean"}}},
+      {"response_format",
+       {{"type", "object"},
+        {"required", json::array({"type"})},
+        {"properties",
+         {{"type", {{"type", "string"}, {"enum", json::array({"text", "json_object", "json_schema"})}}},
+          {"json_schema",
+           {{"type", "object"},
+            {"required", json::array({"name", "schema"})},
+            {"properties", {{"name", {{"type", "string"}}}, {"schema", {{"type", "object"}}}, {"strict", {{"type", "boolean"}}}}}}}}},
+        {"description", "json_object: the reply is a JSON object; json_schema: JSON valid against json_schema.schema "
+                        "(constrained decoding: tokens that cannot continue it are masked). A schema that is invalid, "
+                        "unsupported, or not strict-able with strict: true is refused (400)"}}},
       {"n", {{"type", "integer"},
              {"minimum", 1},
              {"maximum", max_n},
@@ -66,6 +78,15 @@ json openapi_spec(const std::string& model, int64_t context, int max_n) {
         {"properties", {{"role", {{"type", "string"}, {"enum", json::array({"system", "user", "assistant"})}}},
                         {"content", {{"type", "string"}}}}}}}};
   chat["properties"]["logprobs"] = {{"type", "boolean"}};
+  chat["properties"]["tools"] = {
+      {"type", "array"},
+      {"items", {{"type", "object"}, {"required", json::array({"type", "function"})}}},
+      {"description", "functions ({type: function, function: {name, description, parameters}}) the model may call"}};
+  chat["properties"]["tool_choice"] = {
+      {"oneOf", json::array({{{"type", "string"}, {"enum", json::array({"none", "auto", "required"})}},
+                             {{"type", "object"}, {"required", json::array({"type", "function"})}}})},
+      {"description", "required or a named function: the reply is constrained to tool calls"}};
+  chat["properties"]["parallel_tool_calls"] = {{"type", "boolean"}};
   chat["properties"]["max_completion_tokens"] = {{"type", "integer"}, {"minimum", 0}, {"maximum", context}};
   chat["properties"]["stream_options"] = {{"type", "object"}, {"properties", {{"include_usage", {{"type", "boolean"}}}}}};
   json ok_json = {{"description", "ok"}, {"content", {{"application/json", {{"schema", {{"type", "object"}}}}}}}};

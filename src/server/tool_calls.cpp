@@ -130,11 +130,26 @@ std::string ToolCallParser::finish(std::vector<ToolCall>& calls) {
     if (t.substr(0, kPythonTag.size()) == kPythonTag) t = trim(t.substr(kPythonTag.size()));
     std::vector<ToolCall> found;
     bool ok = !t.empty();
-    // Calls separated by ';' (a ';' inside a string would split wrongly; then nothing parses and
-    // the reply stays content).
+    // Calls separated by ';' outside JSON strings.
+    const auto next_semicolon = [&](size_t from) {
+      bool in_string = false, escaped = false;
+      for (size_t i = from; i < t.size(); ++i) {
+        const char c = t[i];
+        if (in_string) {
+          if (escaped) escaped = false;
+          else if (c == '\\') escaped = true;
+          else if (c == '"') in_string = false;
+        } else if (c == '"') {
+          in_string = true;
+        } else if (c == ';') {
+          return i;
+        }
+      }
+      return std::string_view::npos;
+    };
     size_t from = 0;
     while (ok && from <= t.size()) {
-      const size_t semi = t.find(';', from);
+      const size_t semi = next_semicolon(from);
       const std::string_view piece = trim(t.substr(from, semi == std::string_view::npos ? std::string_view::npos : semi - from));
       const json j = parse_object(piece);
       ok = !j.is_discarded() && j.contains("name") && j["name"].is_string() &&
@@ -192,7 +207,9 @@ bool ToolCallParser::parse_block(const std::string& block, std::vector<ToolCall>
         if (tool != types_.end())
           if (auto p = tool->second.find(key); p != tool->second.end()) type = p->second;
         json parsed = type.empty() || type == "string" ? json(json::value_t::discarded) : json::parse(value, nullptr, false);
-        args[key] = parsed.is_discarded() ? json(value) : parsed;
+        // A parameter of no declared type (an enum, say) loses the spaces around its value; a
+        // string's are its own.
+        args[key] = parsed.is_discarded() ? json(type.empty() ? std::string(trim(value)) : value) : parsed;
         at = b.find(kArgKey, v1 + kArgValueEnd.size());
         if (at == std::string_view::npos && !trim(b.substr(v1 + kArgValueEnd.size())).empty()) return false;
       }

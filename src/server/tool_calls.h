@@ -8,7 +8,7 @@
 //                              ```json {...} ```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜> (V3, R1), or
 //                              <｜tool▁call▁begin｜>N<｜tool▁sep｜>{...}<｜tool▁call▁end｜> (V3.1)
 //   Llama 3.1+ JSON:           the whole reply {"name": N, "parameters": {...}} (after an optional
-//                              <|python_tag|>), calls separated by ';'
+//                              <|python_tag|>), calls separated by ';' (outside strings)
 // Text outside the calls is content. A call whose text does not parse stays content, as written.
 // push() returns the content that is safe to show now (a possible start of a marker is held
 // back), so a reply fed split at any byte gives the same content and calls.

@@ -2,7 +2,7 @@
 // many (greedy and seeded sampling), prompts longer than a prefill chunk, cancellation frees the
 // KV positions, admission waits for room and refuses what can never fit, shutdown ends streams;
 // requests of n choices (seeds per choice, admitted together, cancelled together); a backend that
-// samples itself.
+// samples itself; constrained requests.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -490,6 +490,61 @@ TEST_F(EngineTest, BackendSamplingWhereTheBackendTakesIt) {
   EXPECT_EQ(a.tokens, drain(*cpu.submit(logprobs)).tokens);
   EXPECT_EQ(b.tokens, drain(*cpu.submit(penalized)).tokens);
   EXPECT_EQ(a.tokens.size(), 4u);
+}
+
+// A constraint that allows exactly the tokens of `script`, one after another, then ends.
+class ScriptConstraint final : public TokenConstraint {
+ public:
+  ScriptConstraint(std::vector<int32_t> script, int64_t vocab) : script_(std::move(script)), mask_(size_t((vocab + 31) / 32)) {
+    set();
+  }
+  std::span<const uint32_t> allowed() const override { return mask_; }
+  bool accept(int32_t token) override {
+    if (at_ >= script_.size() || token != script_[at_]) return false;
+    ++at_;
+    set();
+    return true;
+  }
+  bool ended() const override { return at_ == script_.size(); }
+
+ private:
+  void set() {
+    std::fill(mask_.begin(), mask_.end(), 0u);
+    if (at_ < script_.size()) mask_[size_t(script_[at_]) / 32] |= 1u << (uint32_t(script_[at_]) % 32);
+  }
+  std::vector<int32_t> script_;
+  std::vector<uint32_t> mask_;
+  size_t at_ = 0;
+};
+
+// A constrained request is never offered to the backend's sampler: its logits are masked on the
+// host, greedy and sampled alike, each choice with a constraint of its own, and it ends (Eos, as
+// a grammar that is complete) when the constraint does, before max_tokens.
+TEST_F(EngineTest, ConstrainedRequestsSampleMaskedLogitsOnTheHost) {
+  EngineOptions o;
+  o.max_batch = 2;
+  o.context = 64;
+  o.threads = 1;
+  auto slots = std::make_unique<SamplingSlots>(*model_, o.max_batch);
+  SamplingSlots* backend = slots.get();
+  Engine e(*model_, o, std::move(slots));
+  const std::vector<int32_t> script = {7, 200, 3, 7};
+  const int64_t V = model_->config.vocab_size;
+  int made = 0;
+  for (float temperature : {0.0f, 1.5f}) {
+    GenerationRequest r = request({3, 17, 5, 9}, 20, temperature, 4);
+    r.n = 2;
+    r.constraint = [&]() -> std::unique_ptr<TokenConstraint> {
+      ++made;
+      return std::make_unique<ScriptConstraint>(script, V);
+    };
+    for (const Result& c : drain_choices(*e.submit(r))) {
+      EXPECT_EQ(c.tokens, script);
+      EXPECT_EQ(c.finish, Finish::Eos) << c.error;
+    }
+  }
+  EXPECT_EQ(made, 4);
+  EXPECT_TRUE(backend->offers.empty());
 }
 
 }  // namespace

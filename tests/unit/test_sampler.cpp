@@ -144,5 +144,27 @@ TEST(StopMatcher, FlushReturnsHeldTextWithoutAStop) {
   EXPECT_EQ(none.push("abc"), "abc");
 }
 
+// A constraint's mask: disallowed logits become -inf, so greedy and sampled tokens are allowed ones,
+// whatever the penalties; words of all ones are skipped and tokens past the mask are disallowed.
+TEST(Sampler, TokenMaskLeavesOnlyAllowedTokens) {
+  std::vector<float> l = kLogits;
+  const uint32_t allow = (1u << 0) | (1u << 4);  // tokens 0 and 4 (the argmax, 1, is not)
+  apply_token_mask(l, std::vector<uint32_t>{allow});
+  EXPECT_EQ(l[0], kLogits[0]);
+  EXPECT_EQ(l[4], kLogits[4]);
+  for (int t : {1, 2, 3, 5}) EXPECT_TRUE(std::isinf(l[size_t(t)]) && l[size_t(t)] < 0) << t;
+  Sampler greedy({});
+  EXPECT_EQ(greedy.sample(l, {}), 0);
+  for (uint64_t seed = 0; seed < 50; ++seed) {
+    Sampler hot({.temperature = 2.0f, .top_p = 0.9f, .repetition_penalty = 1.3f, .presence_penalty = 1.0f, .seed = seed});
+    const int32_t t = hot.sample(l, std::vector<int32_t>{0, 1, 4}, 1);
+    EXPECT_TRUE(t == 0 || t == 4) << t;
+  }
+  std::vector<float> wide(70, 1.0f);
+  apply_token_mask(wide, std::vector<uint32_t>{~0u, 1u << 3});  // word 2 absent: not allowed
+  for (size_t t = 0; t < 32; ++t) EXPECT_EQ(wide[t], 1.0f);
+  for (size_t t = 32; t < 70; ++t) EXPECT_EQ(wide[t] == 1.0f, t == 35) << t;
+}
+
 }  // namespace
 }  // namespace kestrel

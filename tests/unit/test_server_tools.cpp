@@ -267,7 +267,8 @@ TEST_F(ServerTools, RefusalsNameTheirField) {
   };
   EXPECT_EQ(refused(request(R"(,"tools":[{"type":"function","function":{"name":"bad name"}}])"))["param"],
             "tools[0].function.name");
-  EXPECT_EQ(refused(request(R"(,"tools":)" + kTools + R"(,"tool_choice":"required")"))["param"], "tool_choice");
+  EXPECT_EQ(refused(request(R"(,"tools":)" + kTools + R"(,"tool_choice":{"type":"function","function":{"name":"g"}})"))["param"],
+            "tool_choice.function.name");
   // A template that renders no tools.
   stop();
   text::ModelChat plain;

@@ -67,6 +67,10 @@ TEST(ToolCalls, GlmWithNewlinesOrWithout) {
   // Without a schema every value is a string; a call without arguments has none.
   expect_everywhere(ToolFormat::Glm, v47, {"Checking.", {{"get_weather", R"({"city":"Paris","days":"3","zip":"75001"})"}}});
   expect_everywhere(ToolFormat::Glm, "<tool_call>now\n</tool_call>", {"", {{"now", "{}"}}});
+  // A value of no declared type loses the spaces around it; a string's keep theirs.
+  expect_everywhere(ToolFormat::Glm, "<tool_call>get_weather<arg_key>mode</arg_key><arg_value> on\n</arg_value>"
+                    "<arg_key>city</arg_key><arg_value> Paris </arg_value></tool_call>",
+                    {"", {{"get_weather", R"({"city":" Paris ","mode":"on"})"}}}, types);
   // Bytes that are not UTF-8 in a value become U+FFFD in the arguments' JSON.
   expect_everywhere(ToolFormat::Glm, "<tool_call>f<arg_key>a</arg_key><arg_value>x\xff</arg_value></tool_call>",
                     {"", {{"f", "{\"a\":\"x\xef\xbf\xbd\"}"}}});
@@ -94,6 +98,9 @@ TEST(ToolCalls, LlamaJsonIsTheWholeReply) {
                     {"", {{"get_weather", R"({"city":"Paris"})"}}});
   expect_everywhere(ToolFormat::LlamaJson, "<|python_tag|>{\"name\": \"a\", \"parameters\": {}}; {\"name\": \"b\", \"parameters\": {\"x\": 1}}",
                     {"", {{"a", "{}"}, {"b", R"({"x":1})"}}});
+  // A ';' inside a string (escaped quotes too) does not separate calls.
+  expect_everywhere(ToolFormat::LlamaJson, R"({"name": "a", "parameters": {"q": "x; \"y;\""}}; {"name": "b", "parameters": {}})",
+                    {"", {{"a", R"({"q":"x; \"y;\""})"}, {"b", "{}"}}});
   // Text, or JSON that is not a call: content.
   expect_everywhere(ToolFormat::LlamaJson, "It is {sunny}.", {"It is {sunny}.", {}});
   expect_everywhere(ToolFormat::LlamaJson, "  {\"answer\": 4}", {"  {\"answer\": 4}", {}});
