@@ -6,7 +6,7 @@
 #   here:        scripts/gpu_ab.sh prepare BASE
 #                  BASE's versions of the tracked files under src/, tests/ and cmake/ and of the
 #                  CMakeLists that differ from this tree, into .ab-base/ (ignored by git)
-#   GPU machine: scripts/gpu_ab.sh run [ROUNDS] -- BENCH ARGS...      (carry .deps and .ab-base)
+#   GPU machine: scripts/gpu_ab.sh run [ROUNDS] -- BENCH ARGS...      (carry .deps, .third_party and .ab-base)
 #                  builds kestrel from this tree, then with BASE's files swapped in (in a build
 #                  directory of its own), restores this tree, runs `kestrel bench BENCH ARGS` ROUNDS times
 #                  (default 2) alternately, this tree first, and prints the median ms per step of

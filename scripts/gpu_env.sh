@@ -2,6 +2,10 @@
 # libraries in .deps (scripts/gpu_deps.sh unpacks them; the GPU machine has no -dev packages),
 # and define gpu_build LOG TARGET...: configure and build $BUILD (default build-gpu) for sm_90a.
 BUILD=${BUILD:-build-gpu}
+if [ -f .deps/root.tar.xz ] && [ ! -d .deps/root ]; then
+  mkdir -p .deps/root.partial && tar -C .deps/root.partial -xJf .deps/root.tar.xz && mv .deps/root.partial/root .deps/root
+  rm -rf .deps/root.partial
+fi
 if [ -d .deps/root ]; then
   DEPS=$PWD/.deps/root
   export CMAKE_PREFIX_PATH=$DEPS/usr

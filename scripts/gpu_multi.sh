@@ -5,7 +5,7 @@
 # all-reduce against NCCL; decode speed of Qwen3-30B-A3B and GLM-4.5-Air shapes at TP 1..N with
 # and without expert parallelism, against the roofline of the same layout; with 8 GPUs, GLM-5 at
 # its full depth. NVLink multicast stays off. A short table last; logs and JSON in $OUT
-# (default ./out/multi). Headers the GPU machine lacks come from .deps, as for gpu_suite.sh.
+# (default ./out/multi). Headers the GPU machine lacks come from .deps and .third_party, as for gpu_suite.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/multi}

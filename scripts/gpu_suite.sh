@@ -2,7 +2,8 @@
 # The GPU suite, in one call on a machine with a GPU: build the CUDA code, run every GPU test
 # (each op against the CPU reference, every fixture family against CPU and transformers), then
 # benchmark decode on random-weight models of real shapes, and print a short table last.
-# Headers the GPU machine lacks come from .deps (scripts/gpu_deps.sh makes it). Results go to
+# Headers the GPU machine lacks come from .deps and XGrammar from .third_party (scripts/gpu_deps.sh
+# makes both: carry them). Results go to
 # $OUT (or ./out) as logs and JSON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
