@@ -142,7 +142,7 @@ if "$BUILD/src/kestrel" serve --help >/dev/null 2>&1; then
     mkdir -p "$sdir/tok"
     python3 scripts/make_byte_tokenizer.py "$sdir/tok/tokenizer.json" --vocab 151936
     "$BUILD/src/kestrel" serve --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --tokenizer "$sdir/tok" \
-      --max-batch 64 --context 2048 --port 0 2>"$OUT/serve_random.log" &
+      --max-batch 64 --context 4096 --port 0 2>"$OUT/serve_random.log" &
     spid=$!
     for _ in $(seq 600); do grep -q "on http://" "$OUT/serve_random.log" && break; sleep 0.2; done
     port=$(grep -o "on http://[0-9.]*:[0-9]*" "$OUT/serve_random.log" | sed 's/.*://')
@@ -152,6 +152,10 @@ if "$BUILD/src/kestrel" serve --help >/dev/null 2>&1; then
         --prompt-tokens 32 --max-tokens 64 --json "$OUT/loadgen_random_$n.json" >>"$OUT/serve_bench.txt" 2>&1 ||
         echo "cli: kestrel loadgen --streams $n on the random-weight server failed" | tee -a "$OUT/cli.txt"
     done
+    # The prefix cache: a 2,000-token prompt's repeat against its first time to first token.
+    echo "== prefix cache, serve --config configs/qwen3-30b-a3b-nvfp4.json --random-weights" >>"$OUT/serve_bench.txt"
+    python3 tests/server/prefix_cache_ttft.py "$port" >>"$OUT/serve_bench.txt" 2>&1 ||
+      { echo "cli: the prefix cache's check on the random-weight server failed" | tee -a "$OUT/cli.txt"; tests_rc=1; }
     kill -TERM $spid
     wait $spid || echo "cli: the random-weight server did not stop cleanly" | tee -a "$OUT/cli.txt"
   fi
@@ -274,6 +278,6 @@ printf "tests: %s\n" "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$
 grep -h "random Qwen3" "$OUT/gpu_tests.log" || true
 grep "^cli:" "$OUT/cli.txt" || true
 [ -f "$OUT/allreduce.json" ] && cat "$OUT/allreduce.txt" || true
-[ -f "$OUT/serve_bench.txt" ] && grep -E "^== |ok, |TTFT|tokens/s" "$OUT/serve_bench.txt" || true
+[ -f "$OUT/serve_bench.txt" ] && grep -E "^== |ok, |TTFT|tokens/s|^suffix" "$OUT/serve_bench.txt" || true
 [ -f "$OUT/bench.txt" ] && grep -E "^== |^prefill|^ *tokens +ms|^ *(batch|[0-9])|^  [a-z_]+ +[0-9]|^  total|^  between ops|^  step \(graph\)|^ *persistent step|^extrapolated|^ *[a-z0-9.-]+ +B=" "$OUT/bench.txt" | grep -v "random weights" || true
 exit $tests_rc
