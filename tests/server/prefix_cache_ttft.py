@@ -2,8 +2,9 @@
 """The prefix cache as a client sees it: a ~2,000-token prompt sent twice (greedy, 8 tokens), for
 three different endings of the same beginning; prints each request's time to first token, the
 repeat's share of the first's and the server's cached_tokens. Exits 1 when a repeat's text
-differs, or (unless --no-cache-expected) a repeat takes more than 10% of the first request's
-time to first token. Standard library only.
+differs, or (unless --no-cache-expected) the first repeat takes more than 10% of the cold
+request's time to first token (the later pairs find the shared beginning cached already).
+Standard library only.
 
 Usage: prefix_cache_ttft.py PORT [--no-cache-expected]"""
 import http.client
