@@ -44,7 +44,7 @@ struct Options {
   std::string model, host = "127.0.0.1", api_key, name;
   std::string config, tokenizer;  // --config with --random-weights: a configuration's shapes, random
   bool random_weights = false;
-  int port = 8000, max_batch = 16, threads = 0;
+  int port = 8000, max_batch = 16, threads = 0, prefill_chunk = 64, step_tokens = 256;
   int64_t context = 0, kv_tokens = 0, kv_blocks = 0;
   std::string kv_memory;
   double grace = 10.0;
@@ -142,6 +142,11 @@ Run add_serve(CLI::App& app) {
   app.add_option("--api-key", o->api_key, "Require 'Authorization: Bearer KEY' (default: no key)");
   app.add_option("--served-model-name", o->name, "Model id clients ask for (default: the model's file or folder name)");
   app.add_option("--max-batch", o->max_batch, "Sequences running at once (default 16)");
+  app.add_option("--prefill-chunk", o->prefill_chunk,
+                 "Prompt tokens one sequence runs per step (default 64; the GPU runs at most 64)");
+  app.add_option("--step-tokens", o->step_tokens,
+                 "Prompt tokens per step over all sequences, the earliest request's first (default 256): bounds the "
+                 "time between the running streams' tokens while prompts are prefilled");
   app.add_option("--context", o->context, "Most positions per sequence (default: the model's, at most 8192)");
   app.add_option("--kv-tokens", o->kv_tokens,
                  "KV cache positions shared by all sequences (default: on the GPU max batch x context, or what fits "
@@ -210,6 +215,8 @@ Run add_serve(CLI::App& app) {
     EngineOptions eo;
     eo.max_batch = o->max_batch;
     eo.context = o->context;
+    eo.prefill_chunk = o->prefill_chunk;
+    eo.step_tokens = o->step_tokens;
     const int64_t kv_given = kv_positions(*o, model->config);  // 0: the device's default
     eo.kv_tokens = kv_given;
     eo.threads = o->threads;

@@ -100,7 +100,8 @@ int64_t engine_context(const Model& model, const EngineOptions& o) {
 Engine::Engine(const Model& model, const EngineOptions& o, std::unique_ptr<SequenceSlots> slots)
     : model_(model), o_(o), slots_(std::move(slots)) {
   if (o_.max_batch < 1) fail("--max-batch: must be at least 1, got ", o_.max_batch);
-  if (o_.prefill_chunk < 1) fail("prefill chunk must be at least 1, got ", o_.prefill_chunk);
+  if (o_.prefill_chunk < 1) fail("--prefill-chunk: must be at least 1, got ", o_.prefill_chunk);
+  if (o_.step_tokens < 1) fail("--step-tokens: must be at least 1, got ", o_.step_tokens);
   context_ = engine_context(model, o_);
   if (o_.kv_tokens <= 0) o_.kv_tokens = 32 * context_;
   o_.kv_tokens = std::max<int64_t>(1, o_.kv_tokens / KvBlockPool::kBlock) * KvBlockPool::kBlock;  // whole blocks
@@ -219,6 +220,8 @@ void Engine::step_all() {
   std::vector<SequenceSlots::Job> jobs;
   std::vector<Sequence*> seqs;
   std::vector<size_t> ran;  // prompt tokens each job runs (0: a generated token)
+  // running_ is in admission order, so the budget goes to the earliest prompts first.
+  size_t budget = size_t(o_.step_tokens);
   for (auto& sp : running_) {
     Sequence& s = *sp;
     if (s.done) continue;
@@ -254,7 +257,9 @@ void Engine::step_all() {
     j.slot = s.slot;
     size_t n = 0;  // prompt tokens
     if (s.prefilled < s.req.prompt.size()) {
-      n = std::min(s.req.prompt.size() - s.prefilled, size_t(chunk));
+      n = std::min({s.req.prompt.size() - s.prefilled, size_t(chunk), budget});
+      if (n == 0) continue;  // the step's prompt tokens are spent: its turn comes next step
+      budget -= n;
       j.tokens = {s.req.prompt.data() + s.prefilled, n};
     } else {
       j.tokens = {&s.history.back(), 1};

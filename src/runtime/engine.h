@@ -1,6 +1,7 @@
 // The engine loop of a server: requests (token ids in, token ids out) join a running set between
 // steps (continuous batching), prompts are prefilled in chunks so that a long prompt does not
-// stall the sequences already decoding, and admission is bounded by the KV cache: a request
+// stall the sequences already decoding (at most step_tokens prompt tokens per step over all
+// sequences, the earliest admitted first, while every decoding sequence advances), and admission is bounded by the KV cache: a request
 // reserves prompt + max_tokens positions, waits while they are not free, and is refused at once
 // when it could never fit. A request with n choices is n sequences of one prompt, admitted
 // together and streamed through one RequestStream. Every step advances every running sequence
@@ -36,6 +37,9 @@ struct EngineOptions {
   int64_t kv_tokens = 0;       // KV positions shared by all running sequences (0: 32 x context)
   int64_t context = 0;         // most positions one sequence may use (0: the model's, capped at 8192)
   int prefill_chunk = 64;      // prompt tokens run per sequence and step
+  // Prompt tokens run per step over all sequences: a step's time, so the decoding sequences'
+  // time between tokens, is bounded by one decode and this many prompt tokens.
+  int step_tokens = 256;
   bool prefix_cache = true;    // the CPU slots' (sequence_slots.h); the GPU's are made with their own
   int threads = 0;             // CPU threads (0: all cores)
   Layout layout;               // the model split over threads (parallel/layout.h)

@@ -2,10 +2,12 @@
 // many (greedy and seeded sampling), prompts longer than a prefill chunk, cancellation frees the
 // KV positions, admission waits for room and refuses what can never fit, shutdown ends streams;
 // requests of n choices (seeds per choice, admitted together, cancelled together); a backend that
-// samples itself; constrained requests.
+// samples itself; constrained requests; the per-step budget of prompt tokens.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
+#include <future>
 #include <thread>
 
 #include "fixture.h"
@@ -414,6 +416,68 @@ TEST_F(EngineTest, CancelEndsEveryChoice) {
   EXPECT_EQ(e.stats().kv_used, 0);
   EXPECT_TRUE(cancel_after_one_token(1)) << "200 tokens finished before the cancel in all 5 attempts";
   EXPECT_EQ(e.stats().kv_used, 0);
+}
+
+// The CPU slots, noting the prompt or generated tokens of each job of every step (jobs in the
+// engine's order), and holding the first step until the test opens the gate.
+class RecordingSlots final : public SequenceSlots {
+ public:
+  RecordingSlots(const Model& m, int slots) : inner_(make_cpu_slots(m, slots, 1, {}, 4096)) {}
+  int slots() const override { return inner_->slots(); }
+  int64_t max_chunk() const override { return inner_->max_chunk(); }
+  Opened open(int64_t positions, std::span<const int32_t> prompt) override { return inner_->open(positions, prompt); }
+  void close(int slot) override { inner_->close(slot); }
+  void run(std::span<const Job> jobs) override {
+    if (steps.empty()) gate.get_future().wait();
+    std::vector<size_t> sizes;
+    for (const Job& j : jobs) sizes.push_back(j.tokens.size());
+    steps.push_back(sizes);
+    inner_->run(jobs);
+  }
+  std::string describe() const override { return "recording " + inner_->describe(); }
+  std::promise<void> gate;
+  std::vector<std::vector<size_t>> steps;
+
+ private:
+  std::unique_ptr<SequenceSlots> inner_;
+};
+
+// A step runs at most step_tokens prompt tokens over all sequences, the earliest admitted first
+// (a chunk cut short where the budget ends), while every decoding sequence advances; the tokens
+// are those of an engine without a budget.
+TEST_F(EngineTest, StepTokensBoundEachStepsPromptTokens) {
+  EngineOptions o;
+  o.max_batch = 3;
+  o.context = 64;
+  o.prefill_chunk = 4;
+  o.step_tokens = 6;
+  o.threads = 1;
+  auto slots = std::make_unique<RecordingSlots>(*model_, o.max_batch);
+  RecordingSlots* rec = slots.get();
+  std::vector<GenerationRequest> reqs = {request({3, 17, 5, 9, 11, 2, 8, 30, 4, 6}, 3),
+                                         request({7, 1, 22, 13, 5, 5, 19, 2, 40}, 3), request({9, 9, 14, 3, 28, 1, 6}, 3)};
+  for (GenerationRequest& r : reqs) r.ignore_eos = true;
+  Engine e(*model_, o, std::move(slots));
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  streams.push_back(e.submit(reqs[0]));
+  while (e.stats().running == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));  // its first step holds
+  streams.push_back(e.submit(reqs[1]));
+  streams.push_back(e.submit(reqs[2]));
+  rec->gate.set_value();
+  std::vector<Result> got;
+  for (auto& s : streams) got.push_back(drain(*s));
+  // Prompts of 10, 9 and 7 tokens, chunks of 4, 6 prompt tokens a step.
+  const std::vector<std::vector<size_t>> want = {{4}, {4, 2}, {2, 4}, {1, 3, 3}, {1, 1, 4}, {1, 1}, {1}};
+  EXPECT_EQ(rec->steps, want);
+  EngineOptions plain = o;
+  plain.step_tokens = 1 << 20;
+  Engine unbounded(*model_, plain);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ(got[i].finish, Finish::Length);
+    EXPECT_EQ(got[i].tokens, drain(*unbounded.submit(reqs[i])).tokens) << "request " << i;
+  }
+  o.step_tokens = 0;
+  EXPECT_THROW(Engine(*model_, o), Error);
 }
 
 // A backend that samples itself (as the GPU does): the CPU slots, taking every offer to draw
