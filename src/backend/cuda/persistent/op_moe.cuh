@@ -66,12 +66,12 @@ __device__ void expert_gate_up(const PProgram& P, const PInstr& in, uint8_t* sta
   uint32_t at = 0;
   const StagedRows sg = stage_rows_packed(G, in.a, in.b, &at), su = stage_rows_packed(U, in.a, in.b, &at);
   const bool mma = mma_tile_fits(G, B) && mma_tile_fits(U, B) && G.in == U.in && at <= P.stage_bytes;
-  if (threadIdx.x < 32) {
+  if (threadIdx.x == 0) {
     if (mma) {
-      const uint32_t bytes = at;  // both matrices' rows
-      stage_matrix(G, in.a, in.b, sg, stage, bar, bytes, threadIdx.x);
-      stage_matrix(U, in.a, in.b, su, stage, bar, 0, threadIdx.x);
-    } else if (threadIdx.x == 0) {
+      stage_expect(bar, at);  // both matrices' rows
+      copy_packed_rows(G, in.a, in.b, sg, stage, bar);
+      copy_packed_rows(U, in.a, in.b, su, stage, bar);
+    } else {
       bulk_prefetch_rows(G, in.a, in.b);
       bulk_prefetch_rows(U, in.a, in.b);
     }
@@ -141,10 +141,7 @@ __device__ inline void expert_down(const PProgram& P, const PInstr& in, float* s
       if (e < 0) continue;
       const DLinear& W = m.down[e - m.first_expert];
       uint32_t at = uint32_t(p) * per;
-      const StagedRows s = stage_rows_packed(W, in.a, in.b, &at);
-      const uint32_t n = uint32_t(in.b - in.a);
-      bulk_copy(stage + s.codes, W.data + uint64_t(in.a) * (W.in / 2), n * uint32_t(W.in / 2), bar);
-      bulk_copy(stage + s.scales, W.scales + uint64_t(in.a) * (W.in / 16), n * uint32_t(W.in / 16), bar);
+      copy_packed_rows(W, in.a, in.b, stage_rows_packed(W, in.a, in.b, &at), stage, bar);
     }
   } else if (!staged) {
     for (int p = threadIdx.x; p < P.positions; p += blockDim.x) {

@@ -7,7 +7,7 @@
 //    counters; the products then read the stage;
 //  - otherwise (the LM head's large tiles): bulk prefetches into the L2, also for the
 //    instructions kPrefetchAhead ahead in the queue. Expert tiles learn their expert from the
-//    route once their wait is over: gate/up then copies its rows into the stage (stage_matrix),
+//    route once their wait is over: gate/up then copies its rows into the stage (copy_packed_rows),
 //    down asks the L2 for them.
 #pragma once
 #include <cstdint>
@@ -179,17 +179,13 @@ __device__ __forceinline__ bool stage_instr(const PProgram& P, int32_t i, uint8_
   return true;
 }
 
-// By warp 0, once a tile's matrix is known on the device (the experts'): rows [r0, r1) of W into
-// the stage as stage_rows_packed lays them out (s). Lane 0 announces `total`, the bytes of every
-// matrix the tile copies, with its first.
-// Rows laid out by stage_rows_packed: two copies, by lanes 0 and 1.
-__device__ __forceinline__ void stage_matrix(const DLinear& W, int r0, int r1, const StagedRows& s, uint8_t* stage,
-                                             uint64_t* bar, uint32_t total, int lane) {
-  if (total && lane == 0) stage_expect(bar, total);
-  __syncwarp();
+// Rows [r0, r1) of W into the stage as stage_rows_packed laid them out (s): the codes' run by
+// the calling thread, then the scales' (the caller has announced their bytes: stage_expect).
+__device__ __forceinline__ void copy_packed_rows(const DLinear& W, int r0, int r1, const StagedRows& s, uint8_t* stage,
+                                                 uint64_t* bar) {
   const uint32_t n = uint32_t(r1 - r0);
-  if (lane == 0) bulk_copy(stage + s.codes, W.data + uint64_t(r0) * (W.in / 2), n * uint32_t(W.in / 2), bar);
-  if (lane == 1) bulk_copy(stage + s.scales, W.scales + uint64_t(r0) * (W.in / 16), n * uint32_t(W.in / 16), bar);
+  bulk_copy(stage + s.codes, W.data + uint64_t(r0) * (W.in / 2), n * uint32_t(W.in / 2), bar);
+  bulk_copy(stage + s.scales, W.scales + uint64_t(r0) * (W.in / 16), n * uint32_t(W.in / 16), bar);
 }
 
 }  // namespace kestrel::cuda
