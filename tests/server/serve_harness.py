@@ -1,6 +1,8 @@
 """What the scripts that test `kestrel serve` on the real model share: their arguments (exit 77,
 skipped, when the model is absent), `kestrel serve` started on a free port and stopped with
-SIGTERM, and checks printed one per line with a summary at the end. Standard library only."""
+SIGTERM, checks printed one per line with a summary at the end, and JSON replies validated
+against their schemas. Standard library only (`jsonschema` where it is installed)."""
+import json
 import os
 import re
 import signal
@@ -60,3 +62,48 @@ def finish():
     """Prints the summary and exits 1 when a check failed."""
     print(f"{len(failures)} checks failed" if failures else "all checks passed")
     sys.exit(1 if failures else 0)
+
+
+def parsed(text):
+    """The JSON value of `text`, or None."""
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def valid(instance, schema):
+    """Whether `instance` fits `schema`: by `jsonschema` when it is installed, else by hand for the
+    keywords the tests' schemas use (enum, object, array, string, integer, boolean)."""
+    try:
+        import jsonschema
+    except ImportError:
+        jsonschema = None
+    if jsonschema is not None:
+        try:
+            jsonschema.validate(instance, schema)
+            return True
+        except jsonschema.ValidationError as e:
+            print(f"     {e.message}")
+            return False
+
+    def fits(v, s):
+        if "enum" in s:
+            return v in s["enum"]
+        t = s.get("type")
+        if t == "object":
+            props = s.get("properties", {})
+            return (isinstance(v, dict) and all(k in v for k in s.get("required", []))
+                    and all(k in props and fits(x, props[k]) for k, x in v.items()))
+        if t == "array":
+            return (isinstance(v, list) and s.get("minItems", 0) <= len(v) <= s.get("maxItems", 1 << 30)
+                    and all(fits(x, s["items"]) for x in v))
+        if t == "string":
+            return isinstance(v, str) and len(v) <= s.get("maxLength", 1 << 30)
+        if t == "integer":
+            return (isinstance(v, int) and not isinstance(v, bool)
+                    and s.get("minimum", -1 << 62) <= v <= s.get("maximum", 1 << 62))
+        if t == "boolean":
+            return isinstance(v, bool)
+        return True
+    return fits(instance, schema)

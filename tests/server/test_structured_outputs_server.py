@@ -8,90 +8,16 @@ the tool's parameters), and 400s for bad schemas.
 
 Usage: test_structured_outputs_server.py KESTREL_BINARY MODEL_DIR. Exits 77 (skipped) when the
 `openai` package is absent; validates with `jsonschema` when it is installed, by hand otherwise."""
-import json
 import sys
 
 import serve_harness
-from serve_harness import arguments, check, finish, start_server, stop_server
+from serve_harness import arguments, check, finish, parsed, start_server, stop_server, valid
 
 try:
     import openai
 except ImportError:
     print("skipped: the openai package is not installed (scripts/install_deps.sh makes .venv)")
     sys.exit(77)
-try:
-    import jsonschema
-except ImportError:
-    jsonschema = None
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "title": {"type": "string", "maxLength": 12},
-        "rating": {"type": "integer", "minimum": 1, "maximum": 5},
-        "genre": {"enum": ["drama", "comedy", "horror"]},
-        "cast": {"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
-                                            "required": ["name"], "additionalProperties": False},
-                 "minItems": 1, "maxItems": 2},
-        "studio": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                                    "open": {"type": "boolean"}},
-                   "required": ["city", "open"], "additionalProperties": False},
-    },
-    "required": ["title", "rating", "genre", "cast", "studio"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                                        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                       "required": ["city", "days"]}}},
-    {"type": "function", "function": {
-        "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                                           "required": ["zone"]}}},
-]
-USER = [{"role": "user", "content": "Describe a film."}]
-
-
-def valid(instance, schema):
-    """Whether `instance` fits `schema` (jsonschema; without it the fields SCHEMA and TOOLS use)."""
-    if jsonschema is not None:
-        try:
-            jsonschema.validate(instance, schema)
-            return True
-        except jsonschema.ValidationError as e:
-            print(f"     {e.message}")
-            return False
-
-    def fits(v, s):
-        if "enum" in s:
-            return v in s["enum"]
-        t = s.get("type")
-        if t == "object":
-            props = s.get("properties", {})
-            return (isinstance(v, dict) and all(k in v for k in s.get("required", []))
-                    and all(k in props and fits(x, props[k]) for k, x in v.items()))
-        if t == "array":
-            return (isinstance(v, list) and s.get("minItems", 0) <= len(v) <= s.get("maxItems", 1 << 30)
-                    and all(fits(x, s["items"]) for x in v))
-        if t == "string":
-            return isinstance(v, str) and len(v) <= s.get("maxLength", 1 << 30)
-        if t == "integer":
-            return (isinstance(v, int) and not isinstance(v, bool)
-                    and s.get("minimum", -1 << 62) <= v <= s.get("maximum", 1 << 62))
-        if t == "boolean":
-            return isinstance(v, bool)
-        return True
-    return fits(instance, schema)
-
-
-def parsed(text):
-    try:
-        return json.loads(text)
-    except (TypeError, ValueError):
-        return None
-
-
 BIN, MODEL = arguments()
 serve_harness.NAME = NAME = "qwen3-chat"
 proc, port = start_server(BIN, MODEL, "--device", "cpu", "--threads", "1", "--context", "2048")
