@@ -18,6 +18,35 @@ try:
 except ImportError:
     print("skipped: the openai package is not installed (scripts/install_deps.sh makes .venv)")
     sys.exit(77)
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 12},
+        "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+        "genre": {"enum": ["drama", "comedy", "horror"]},
+        "cast": {"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+                                            "required": ["name"], "additionalProperties": False},
+                 "minItems": 1, "maxItems": 2},
+        "studio": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                    "open": {"type": "boolean"}},
+                   "required": ["city", "open"], "additionalProperties": False},
+    },
+    "required": ["title", "rating", "genre", "cast", "studio"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                       "required": ["city", "days"]}}},
+    {"type": "function", "function": {
+        "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                           "required": ["zone"]}}},
+]
+USER = [{"role": "user", "content": "Describe a film."}]
+
+
 BIN, MODEL = arguments()
 serve_harness.NAME = NAME = "qwen3-chat"
 proc, port = start_server(BIN, MODEL, "--device", "cpu", "--threads", "1", "--context", "2048")
