@@ -6,6 +6,8 @@
 #include <limits>
 #include <set>
 
+#include "server/json_scan.h"
+
 namespace kestrel::server {
 namespace {
 
@@ -203,15 +205,10 @@ std::string error_body(const ApiError& e) {
 
 size_t json_nesting(std::string_view text) {
   size_t depth = 0, deepest = 0;
-  bool in_string = false, escaped = false;
+  JsonStringScan scan;
   for (const char c : text) {
-    if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
+    if (!scan.outside(c)) continue;
+    if (c == '[' || c == '{') {
       deepest = std::max(deepest, ++depth);
     } else if ((c == ']' || c == '}') && depth > 0) {
       --depth;

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "server/json_scan.h"
+
 namespace kestrel {
 namespace {
 
@@ -132,19 +134,9 @@ std::string ToolCallParser::finish(std::vector<ToolCall>& calls) {
     bool ok = !t.empty();
     // Calls separated by ';' outside JSON strings.
     const auto next_semicolon = [&](size_t from) {
-      bool in_string = false, escaped = false;
-      for (size_t i = from; i < t.size(); ++i) {
-        const char c = t[i];
-        if (in_string) {
-          if (escaped) escaped = false;
-          else if (c == '\\') escaped = true;
-          else if (c == '"') in_string = false;
-        } else if (c == '"') {
-          in_string = true;
-        } else if (c == ';') {
-          return i;
-        }
-      }
+      server::JsonStringScan scan;
+      for (size_t i = from; i < t.size(); ++i)
+        if (scan.outside(t[i]) && t[i] == ';') return i;
       return std::string_view::npos;
     };
     size_t from = 0;

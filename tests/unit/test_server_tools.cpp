@@ -12,6 +12,7 @@
 #include <set>
 #include <thread>
 
+#include "chat_server.h"
 #include "fixture.h"
 #include "model/weights.h"
 #include "runtime/engine.h"
@@ -31,57 +32,18 @@ const std::string kTools =
         "parameters":{"type":"object","properties":{"city":{"type":"string"},"days":{"type":"integer"}},
         "required":["city"]}}}])";
 
-class ServerTools : public ::testing::Test {
+class ServerTools : public ChatServerTest {
  protected:
-  void SetUp() override {
-    dir_ = test::fixture_dir("qwen3-chat");
-    model_ = load_model(dir_);
-    tok_ = std::make_unique<text::Tokenizer>(text::Tokenizer::from_file(dir_ + "/tokenizer.json"));
-    start(text::load_model_chat(*model_, dir_));
-  }
-  void TearDown() override { stop(); }
-
-  void start(text::ModelChat chat) {
-    EngineOptions eo;
-    eo.max_batch = 4;
-    eo.context = 2048;
-    eo.kv_tokens = 4 * 2048;
-    eo.threads = 1;
+  std::unique_ptr<SequenceSlots> make_slots(const EngineOptions& eo) override {
     auto slots = std::make_unique<ScriptedSlots>(make_cpu_slots(*model_, eo.max_batch, 1, {}, eo.kv_tokens),
                                                  model_->config.vocab_size, int32_t(model_->config.eos_token_ids[0]),
                                                  std::vector<int32_t>{});
     script_ = slots.get();
-    engine_ = std::make_unique<Engine>(*model_, eo, std::move(slots));
-    ServerOptions so;
-    so.port = 0;
-    so.model_name = "qwen3-chat";
-    server_ = std::make_unique<HttpServer>(*engine_, *tok_, std::move(chat), so);
-    port_ = server_->bind();
-    thread_ = std::thread([this] { server_->serve(); });
-  }
-  void stop() {
-    server_->stop();
-    thread_.join();
-    engine_->shutdown(0);
-    server_.reset();
-    engine_.reset();
+    return slots;
   }
 
   void script(const std::string& reply) { script_->set_script(tok_->encode(reply, false, true)); }
 
-  // POST /v1/chat/completions: (status, body).
-  std::pair<int, std::string> post(const std::string& body) {
-    httplib::Client cli("127.0.0.1", port_);
-    cli.set_read_timeout(60);
-    auto r = cli.Post("/v1/chat/completions", body, "application/json");
-    if (!r) return {-1, httplib::to_string(r.error())};
-    return {r->status, r->body};
-  }
-  json ok(const std::string& body) {
-    const auto [status, text] = post(body);
-    EXPECT_EQ(status, 200) << text;
-    return json::parse(text, nullptr, false);
-  }
   // The events of a streamed reply, [DONE] checked and dropped.
   std::vector<json> events(const std::string& body) {
     const auto [status, text] = post(body);
@@ -104,14 +66,7 @@ class ServerTools : public ::testing::Test {
     return R"({"model":"qwen3-chat","messages":[{"role":"user","content":"Weather in Paris?"}],"temperature":0)" + more + "}";
   }
 
-  std::string dir_;
-  std::unique_ptr<Model> model_;
-  std::unique_ptr<text::Tokenizer> tok_;
-  std::unique_ptr<Engine> engine_;
   ScriptedSlots* script_ = nullptr;
-  std::unique_ptr<HttpServer> server_;
-  std::thread thread_;
-  int port_ = 0;
 };
 
 TEST_F(ServerTools, ReasoningAndToolCallsWhole) {

@@ -10,6 +10,7 @@
 #include <random>
 #include <thread>
 
+#include "chat_server.h"
 #include "fixture.h"
 #include "model/weights.h"
 #include "runtime/engine.h"
@@ -180,7 +181,9 @@ TEST_F(Grammar, ToolCallGrammarsGiveWhatTheirParsersRead) {
         // Only the separators between calls (which the server drops for a forced call).
         EXPECT_EQ(content.find_first_not_of(" \n"), std::string::npos) << tool_format_name(f) << ": " << text;
         ASSERT_GE(calls.size(), 1u) << tool_format_name(f) << ": " << text;
-        if (!parallel) EXPECT_EQ(calls.size(), 1u) << text;
+        if (!parallel) {
+          EXPECT_EQ(calls.size(), 1u) << text;
+        }
         for (const ToolCall& call : calls) {
           EXPECT_EQ(call.name, "set_mode");
           const json a = json::parse(call.arguments);
@@ -193,48 +196,8 @@ TEST_F(Grammar, ToolCallGrammarsGiveWhatTheirParsersRead) {
 }
 
 // The endpoints in process on the fixture model (unscripted: its own noise, constrained).
-class StructuredServer : public ::testing::Test {
+class StructuredServer : public ChatServerTest {
  protected:
-  void SetUp() override {
-    dir_ = test::fixture_dir("qwen3-chat");
-    model_ = load_model(dir_);
-    tok_ = std::make_unique<text::Tokenizer>(text::Tokenizer::from_file(dir_ + "/tokenizer.json"));
-    start(text::load_model_chat(*model_, dir_));
-  }
-  void TearDown() override { stop(); }
-  void start(text::ModelChat chat) {
-    EngineOptions eo;
-    eo.max_batch = 4;
-    eo.context = 2048;
-    eo.kv_tokens = 4 * 2048;
-    eo.threads = 1;
-    engine_ = std::make_unique<Engine>(*model_, eo);
-    ServerOptions so;
-    so.port = 0;
-    so.model_name = "qwen3-chat";
-    server_ = std::make_unique<HttpServer>(*engine_, *tok_, std::move(chat), so);
-    port_ = server_->bind();
-    thread_ = std::thread([this] { server_->serve(); });
-  }
-  void stop() {
-    server_->stop();
-    thread_.join();
-    engine_->shutdown(0);
-    server_.reset();
-    engine_.reset();
-  }
-  std::pair<int, std::string> post(const std::string& body, const char* path = "/v1/chat/completions") {
-    httplib::Client cli("127.0.0.1", port_);
-    cli.set_read_timeout(120);
-    auto r = cli.Post(path, body, "application/json");
-    if (!r) return {-1, httplib::to_string(r.error())};
-    return {r->status, r->body};
-  }
-  json ok(const std::string& body, const char* path = "/v1/chat/completions") {
-    const auto [status, text] = post(body, path);
-    EXPECT_EQ(status, 200) << text;
-    return json::parse(text, nullptr, false);
-  }
   // A streamed reply's content and tool calls put together from its deltas, and its finish_reason.
   json streamed(const std::string& body) {
     const auto [status, text] = post(body);
@@ -266,13 +229,6 @@ class StructuredServer : public ::testing::Test {
     return R"({"model":"qwen3-chat","messages":[{"role":"user","content":"Who are you?"}],"max_tokens":600)" + more + "}";
   }
 
-  std::string dir_;
-  std::unique_ptr<Model> model_;
-  std::unique_ptr<text::Tokenizer> tok_;
-  std::unique_ptr<Engine> engine_;
-  std::unique_ptr<HttpServer> server_;
-  std::thread thread_;
-  int port_ = 0;
 };
 
 // kPerson's constraints, checked by hand.
