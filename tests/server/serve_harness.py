@@ -10,6 +10,11 @@ import subprocess
 import sys
 import threading
 
+try:
+    import jsonschema
+except ImportError:
+    jsonschema = None
+
 NAME = "smollm2"  # --served-model-name
 failures = []
 
@@ -75,10 +80,6 @@ def parsed(text):
 def valid(instance, schema):
     """Whether `instance` fits `schema`: by `jsonschema` when it is installed, else by hand for the
     keywords the tests' schemas use (enum, object, array, string, integer, boolean)."""
-    try:
-        import jsonschema
-    except ImportError:
-        jsonschema = None
     if jsonschema is not None:
         try:
             jsonschema.validate(instance, schema)

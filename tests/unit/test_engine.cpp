@@ -418,15 +418,27 @@ TEST_F(EngineTest, CancelEndsEveryChoice) {
   EXPECT_EQ(e.stats().kv_used, 0);
 }
 
-// The CPU slots, noting the prompt or generated tokens of each job of every step (jobs in the
-// engine's order), and holding the first step until the test opens the gate.
-class RecordingSlots final : public SequenceSlots {
+// The CPU slots behind a test's own run(): everything else passes through.
+class CpuSlotsWrapper : public SequenceSlots {
  public:
-  RecordingSlots(const Model& m, int slots) : inner_(make_cpu_slots(m, slots, 1, {}, 4096)) {}
+  CpuSlotsWrapper(const Model& m, int slots) : inner_(make_cpu_slots(m, slots, 1, {}, 4096)) {}
   int slots() const override { return inner_->slots(); }
   int64_t max_chunk() const override { return inner_->max_chunk(); }
   Opened open(int64_t positions, std::span<const int32_t> prompt) override { return inner_->open(positions, prompt); }
+  bool prefix_cache() const override { return inner_->prefix_cache(); }
   void close(int slot) override { inner_->close(slot); }
+  void run(std::span<const Job> jobs) override { inner_->run(jobs); }
+  std::string describe() const override { return "wrapped " + inner_->describe(); }
+
+ protected:
+  std::unique_ptr<SequenceSlots> inner_;
+};
+
+// The CPU slots, noting the prompt or generated tokens of each job of every step (jobs in the
+// engine's order), and holding the first step until the test opens the gate.
+class RecordingSlots final : public CpuSlotsWrapper {
+ public:
+  using CpuSlotsWrapper::CpuSlotsWrapper;
   void run(std::span<const Job> jobs) override {
     if (steps.empty()) gate.get_future().wait();
     std::vector<size_t> sizes;
@@ -434,12 +446,8 @@ class RecordingSlots final : public SequenceSlots {
     steps.push_back(sizes);
     inner_->run(jobs);
   }
-  std::string describe() const override { return "recording " + inner_->describe(); }
   std::promise<void> gate;
   std::vector<std::vector<size_t>> steps;
-
- private:
-  std::unique_ptr<SequenceSlots> inner_;
 };
 
 // A step runs at most step_tokens prompt tokens over all sequences, the earliest admitted first
@@ -483,15 +491,9 @@ TEST_F(EngineTest, StepTokensBoundEachStepsPromptTokens) {
 // A backend that samples itself (as the GPU does): the CPU slots, taking every offer to draw
 // the next token (except those needing the history, as the GPU) and answering with a token
 // derived from the draw's index, and noting what it was offered.
-class SamplingSlots final : public SequenceSlots {
+class SamplingSlots final : public CpuSlotsWrapper {
  public:
-  SamplingSlots(const Model& m, int slots)
-      : inner_(make_cpu_slots(m, slots, 1, {}, 4096)), vocab_(size_t(m.config.vocab_size)) {}
-  int slots() const override { return inner_->slots(); }
-  int64_t max_chunk() const override { return inner_->max_chunk(); }
-  Opened open(int64_t positions, std::span<const int32_t> prompt) override { return inner_->open(positions, prompt); }
-  bool prefix_cache() const override { return inner_->prefix_cache(); }
-  void close(int slot) override { inner_->close(slot); }
+  SamplingSlots(const Model& m, int slots) : CpuSlotsWrapper(m, slots), vocab_(size_t(m.config.vocab_size)) {}
   void run(std::span<const Job> jobs) override {
     std::vector<Job> js(jobs.begin(), jobs.end());
     std::vector<float> scratch(js.size() * vocab_);
@@ -503,12 +505,10 @@ class SamplingSlots final : public SequenceSlots {
       }
     inner_->run(js);
   }
-  std::string describe() const override { return "sampling " + inner_->describe(); }
   static int32_t drawn(uint64_t draw) { return int32_t(40 + 3 * draw); }
   std::vector<Sample> offers;  // taken, in order
 
  private:
-  std::unique_ptr<SequenceSlots> inner_;
   size_t vocab_;
 };
 
