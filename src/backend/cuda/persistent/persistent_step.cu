@@ -20,6 +20,7 @@ namespace kestrel::cuda {
 namespace {
 
 static_assert(std::is_trivially_copyable_v<DLayer>, "layers are copied to the device as they are");
+static_assert(std::is_trivially_copyable_v<PProgram>, "the program is copied into shared memory as it is");
 
 // staged: the instruction's weights (an attention split: its cached rows) in the stage
 // (weights.cuh), else null. The expert tiles fill the stage themselves (bar, parity: its barrier
@@ -82,9 +83,16 @@ __device__ __forceinline__ void write_trace(const PProgram& P, int32_t i, long l
 // One block per SM runs its queue. B: the batch rounded up to 1, 2, 4 or 8 (the products' token
 // count); T: the KV cache's values.
 template <int B, class T>
-__global__ void __launch_bounds__(kPersistentThreads, 1) persistent_step_kernel(PProgram P) {
+__global__ void __launch_bounds__(kPersistentThreads, 1) persistent_step_kernel(const PProgram prog) {
+  // The program in shared memory, where every op reads it by reference: a kernel parameter whose
+  // address the ops take is copied to the thread's stack, and each field read from there is a
+  // local-memory load that the weights streaming through the small L1 have evicted, an L2 round
+  // trip (docs/PERF.md v35).
+  __shared__ __align__(16) unsigned char s_prog[sizeof(PProgram)];
+  if (threadIdx.x == 0) *reinterpret_cast<PProgram*>(s_prog) = prog;
+  const PProgram& P = *reinterpret_cast<const PProgram*>(s_prog);
   float* const smem = persistent_smem;  // the ops' scratch first (op_rows.cuh)
-  uint8_t* const stage = reinterpret_cast<uint8_t*>(smem) + P.stage_offset;
+  uint8_t* const stage = reinterpret_cast<uint8_t*>(smem) + prog.stage_offset;
   __shared__ uint32_t round;
   __shared__ int failed, staged_now;
   __shared__ int32_t next_tail;
