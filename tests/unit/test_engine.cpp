@@ -13,6 +13,8 @@
 #include "fixture.h"
 #include "model/weights.h"
 #include "runtime/engine.h"
+#include "runtime/scripted_slots.h"
+#include "runtime/speculative.h"
 
 namespace kestrel {
 namespace {
@@ -426,8 +428,12 @@ class CpuSlotsWrapper : public SequenceSlots {
   int64_t max_chunk() const override { return inner_->max_chunk(); }
   Opened open(int64_t positions, std::span<const int32_t> prompt) override { return inner_->open(positions, prompt); }
   bool prefix_cache() const override { return inner_->prefix_cache(); }
+  PrefixCacheStats prefix_stats() const override { return inner_->prefix_stats(); }
   void close(int slot) override { inner_->close(slot); }
   void run(std::span<const Job> jobs) override { inner_->run(jobs); }
+  bool can_verify() const override { return inner_->can_verify(); }
+  void rewind(int slot, int64_t position) override { inner_->rewind(slot, position); }
+  int64_t kv_blocks_held() const override { return inner_->kv_blocks_held(); }
   std::string describe() const override { return "wrapped " + inner_->describe(); }
 
  protected:
@@ -609,6 +615,103 @@ TEST_F(EngineTest, ConstrainedRequestsSampleMaskedLogitsOnTheHost) {
   }
   EXPECT_EQ(made, 4);
   EXPECT_TRUE(backend->offers.empty());
+}
+
+// Speculation (prompt lookup) in the engine.
+
+// A prompt that repeats itself, so that drafts are proposed from the first decoding step.
+std::vector<int32_t> repeating_prompt(int n, int offset) {
+  std::vector<int32_t> p;
+  for (int i = 0; i < n; ++i) p.push_back(int32_t(offset + (i * 7) % 5));
+  return p;
+}
+
+EngineOptions speculative(EngineOptions o, int draft_tokens = 8) {
+  o.speculation.method = "ngram";
+  o.speculation.draft_tokens = draft_tokens;
+  return o;
+}
+
+// What speculation must do to a greedy sequence whose plain tokens are `out` (max_tokens of
+// them, no end-of-sequence token): the drafts of each step (at most what max_tokens leaves), the
+// accepted ones those that match `out`, worked out here from the plain tokens alone.
+SpeculationStats expected_checks(const std::vector<int32_t>& prompt, const std::vector<int32_t>& out,
+                                 const SpeculationOptions& so) {
+  SpeculationStats st;
+  DraftLength length(so.draft_tokens);
+  const int max_tokens = int(out.size());
+  std::vector<int32_t> history = prompt;
+  size_t g = 1;  // the prefill's token
+  history.push_back(out[0]);
+  while (int(g) < max_tokens) {
+    const int k = std::min(length.next(), max_tokens - int(g) - 1);
+    const std::vector<int32_t> draft = k > 0 ? ngram_draft(history, k, so.max_match, so.min_match) : std::vector<int32_t>{};
+    size_t accepted = 0;
+    while (accepted < draft.size() && draft[accepted] == out[g + accepted]) ++accepted;
+    if (!draft.empty()) {
+      ++st.verifications;
+      st.drafted += int64_t(draft.size());
+      st.accepted += int64_t(accepted);
+      length.checked(int(draft.size()), int(accepted));
+    }
+    for (size_t i = 0; i <= accepted && g < out.size(); ++i) history.push_back(out[g++]);
+  }
+  return st;
+}
+
+// Greedy requests give the tokens they give without speculation, alone and several at once
+// (sequences that verify beside sequences that prefill or decode plainly), over outputs of several
+// KV blocks, for every most draft length; the checks are those the plain tokens call for.
+TEST_F(EngineTest, SpeculationGivesThePlainGreedyTokens) {
+  EngineOptions o;
+  o.max_batch = 4;
+  o.context = 160;
+  o.prefill_chunk = 16;
+  o.threads = 1;
+  std::vector<GenerationRequest> reqs;
+  for (int i = 0; i < 6; ++i) reqs.push_back(request(repeating_prompt(18 + 5 * i, 40 + i), 40 + 13 * i));
+  reqs.push_back(request({3, 17, 5, 9, 11, 2}, 50));  // drafts only once its output repeats
+  std::vector<Result> plain;
+  {
+    Engine e(*model_, o);
+    for (const auto& r : reqs) plain.push_back(drain(*e.submit(r)));
+  }
+  for (int draft : {1, 3, 8}) {
+    SCOPED_TRACE("draft tokens " + std::to_string(draft));
+    const EngineOptions so = speculative(o, draft);
+    SpeculationStats want;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      const SpeculationStats w = expected_checks(reqs[i].prompt, plain[i].tokens, so.speculation);
+      want.verifications += w.verifications, want.drafted += w.drafted, want.accepted += w.accepted;
+    }
+    ASSERT_GT(want.accepted, 0) << "the fixture's outputs never repeat: nothing here checks speculation";
+    for (bool together : {false, true}) {
+      SCOPED_TRACE(together ? "together" : "alone");
+      auto slots = std::make_unique<CpuSlotsWrapper>(*model_, o.max_batch);
+      CpuSlotsWrapper* backend = slots.get();
+      Engine e(*model_, so, std::move(slots));
+      std::vector<Result> got;
+      if (together) {
+        std::vector<std::shared_ptr<RequestStream>> streams;
+        for (const auto& r : reqs) streams.push_back(e.submit(r));
+        for (auto& s : streams) got.push_back(drain(*s));
+      } else {
+        for (const auto& r : reqs) got.push_back(drain(*e.submit(r)));
+      }
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        EXPECT_EQ(got[i].tokens, plain[i].tokens) << "request " << i;
+        EXPECT_EQ(got[i].finish, Finish::Length);
+      }
+      const EngineStats st = e.stats();
+      EXPECT_TRUE(st.speculating);
+      EXPECT_EQ(st.speculation.verifications, want.verifications);
+      EXPECT_EQ(st.speculation.drafted, want.drafted);
+      EXPECT_EQ(st.speculation.accepted, want.accepted);
+      EXPECT_EQ(st.kv_used, 0);
+      for (int i = 0; i < 100 && e.stats().running > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      EXPECT_EQ(backend->kv_blocks_held(), 0) << "a finished sequence kept KV blocks";
+    }
+  }
 }
 
 }  // namespace
