@@ -290,9 +290,8 @@ void Engine::step_all() {
         j.all_logits = true;
       }
     }
-    if (j.all_logits) {
-      // A verification: every row's logits, sampled on the host (emit_checked).
-    } else if (s.prefilled + n == s.req.prompt.size()) {  // this step gives the next token's logits
+    // This step gives the next token's logits (a verification has its rows: emit_checked).
+    if (!j.all_logits && s.prefilled + n == s.req.prompt.size()) {
       s.logits.resize(size_t(V));
       j.logits = s.logits.data();
       s.drawn = -1;
