@@ -56,6 +56,7 @@ struct Options {
   server::HttpLimits http;
   std::string max_body = "8MiB", max_header_bytes = "32KiB";
   bool allow_special = false;
+  SpeculationOptions speculation;
   std::string test_scripted_reply;  // tests only: every reply is this text (runtime/scripted_slots.h)
 };
 
@@ -162,6 +163,7 @@ Run add_serve(CLI::App& app) {
   add_layout_options(app, o->layout);
   add_kv_dtype_option(app, o->kv_dtype);
   add_http_options(app, *o);
+  add_speculation_options(app, o->speculation);
   app.add_option("--device", o->device,
                  "auto (the GPU when one is present and reads the model's formats), cpu or cuda (at most " +
                      std::to_string(kMaxGpuBatch) + " sequences at once on the GPU)");
@@ -173,6 +175,16 @@ Run add_serve(CLI::App& app) {
     check_quant_option(o->quant);
     check_device_option(o->device);
     check_kv_dtype_option(o->kv_dtype);
+    check_speculation_options(o->speculation);
+    const bool speculating = o->speculation.method != "none";
+    // Checked before the model loads; --device auto refuses it too where it picks the GPU.
+    const std::string no_gpu_speculation =
+        cat("--speculative ", o->speculation.method,
+            ": not on the GPU yet (its slots cannot verify drafted tokens); serve with --device cpu");
+    if (speculating && o->device == "cuda") fail(no_gpu_speculation);
+    if (speculating && !o->test_scripted_reply.empty())
+      fail("--test-scripted-reply: not with --speculative (scripted replies are the backend's draws, which a check "
+           "does not offer)");
     if (o->port < 0 || o->port > 65535) fail("--port: expected 0..65535, got ", o->port);
     if (o->grace < 0) fail("--grace: must be >= 0");
     const server::HttpLimits limits = http_limits(*o);
@@ -222,12 +234,14 @@ Run add_serve(CLI::App& app) {
     eo.threads = o->threads;
     eo.layout = o->layout;
     eo.prefix_cache = !o->no_prefix_cache;
+    eo.speculation = o->speculation;
     check_layout(eo.layout, long(model->config.num_experts));
     std::unique_ptr<SequenceSlots> slots;
 #ifdef KESTREL_HAVE_CUDA
     std::unique_ptr<cuda::GpuModel> gpus;
     if (o->random_weights && !gpu_present()) fail("--random-weights: no CUDA GPU is visible (the weights are made on it)");
     if (o->device == "cuda" || (o->device == "auto" && gpu_present())) {
+      if (speculating) fail(no_gpu_speculation);
       const cuda::KvType kv = kv_type_for(model->config, o->kv_dtype);  // a refused --kv-dtype is the user's error
       // --kv-memory was counted in float32 positions: a BF16 pool holds twice as many.
       const int64_t kv_gpu = o->kv_memory.empty() ? kv_given : kv_given * 4 / int64_t(cuda::kv_type_bytes(kv));
@@ -289,9 +303,11 @@ Run add_serve(CLI::App& app) {
     if (so.model_name.empty()) so.model_name = "model";
     server::HttpServer http(engine, tok, chat, so);
     const int port = http.bind();
-    std::fprintf(stderr, "kestrel: serving %s on http://%s:%d (%s; context %lld, max batch %d, %lld KV positions)\n",
+    const std::string spec =
+        speculating ? cat(", speculative ", o->speculation.method, " up to ", o->speculation.draft_tokens, " drafted") : "";
+    std::fprintf(stderr, "kestrel: serving %s on http://%s:%d (%s; context %lld, max batch %d, %lld KV positions%s)\n",
                  so.model_name.c_str(), so.host.c_str(), port, engine.describe().c_str(), (long long)engine.context(),
-                 eo.max_batch, (long long)engine.stats().kv_capacity);
+                 eo.max_batch, (long long)engine.stats().kv_capacity, spec.c_str());
     std::fflush(stderr);
 
     std::thread waiter([&] {

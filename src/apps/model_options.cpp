@@ -59,6 +59,14 @@ void add_quant_option(CLI::App& app, std::string& quant) {
                  "would; LM head, routers and embeddings stay as stored)");
 }
 
+void add_speculation_options(CLI::App& app, SpeculationOptions& o) {
+  app.add_option("--speculative", o.method,
+                 "none (default) or ngram: draft tokens by prompt lookup and check them in one run (same greedy "
+                 "output, same sampling distribution)");
+  app.add_option("--draft-tokens", o.draft_tokens,
+                 "The most tokens drafted per check with --speculative (1..16, default 8)");
+}
+
 void add_layout_options(CLI::App& app, Layout& layout) {
   app.add_option("--tp", layout.tp,
                  "Tensor-parallel ranks: GPUs, or threads on the CPU (default 1). Heads, FFNs and the LM head are "

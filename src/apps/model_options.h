@@ -11,6 +11,7 @@
 #include "model/load_progress.h"
 #include "model/weights.h"
 #include "parallel/layout.h"
+#include "runtime/speculative.h"
 
 namespace kestrel::apps {
 
@@ -26,6 +27,10 @@ void check_quant_option(const std::string& quant);
 
 // --tp N --ep M: how the model is split over GPUs (threads on the CPU); see parallel/layout.h.
 void add_layout_options(CLI::App& app, Layout& layout);
+
+// --speculative none|ngram --draft-tokens K: prompt-lookup speculation (runtime/speculative.h), the
+// same flags for generate, chat and serve; check_speculation_options checks them.
+void add_speculation_options(CLI::App& app, SpeculationOptions& o);
 
 // --kv-dtype auto|f32|bf16: the type of the GPU's KV cache. auto: bf16 for grouped-query
 // attention, f32 for MLA (the GPU caches its latents as float32); the CPU always caches float32.

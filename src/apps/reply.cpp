@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 
+#include "apps/model_options.h"
 #include "text/detokenize.h"
 
 namespace kestrel::apps {
@@ -26,19 +27,12 @@ void add_reply_options(CLI::App& app, ReplyOptions& o) {
                  "Subtracted per occurrence of a token already generated (0: off)");
   app.add_option("--seed", o.sampling.seed, "Random seed (default 0)");
   app.add_option("--stop", o.stops, "Stop when this text appears (repeatable)");
-  app.add_option("--speculative", o.speculation.method,
-                 "none (default) or ngram: draft tokens by prompt lookup and check them in one run (same greedy "
-                 "output, same sampling distribution)");
-  app.add_option("--draft-tokens", o.speculation.draft_tokens, "The most tokens drafted per check with --speculative (default 8)");
+  add_speculation_options(app, o.speculation);
 }
 
 namespace {
 
 using clock_type = std::chrono::steady_clock;
-
-// What emitting a token did: nothing (an end-of-sequence token ends the reply unshown), or
-// showed it with more to come, or showed the last (a stop string or max_tokens).
-enum class Emitted { Nothing, More, Last };
 
 // The speculative loop: each round runs the token the previous round left unrun (if any) and the
 // drafts after it in one run, checks the drafts in order against the logits before each, keeps
@@ -70,29 +64,20 @@ void speculate(Runner& runner, std::vector<float>& logits, std::vector<int32_t>&
     pending.clear();
     if (draft.empty()) {
       const int32_t next = sampler.sample(logits, history, prompt_len);
-      if (emit(next) != Emitted::More) return;
+      if (emit(next) != Taken::More) return;
       pending = {next};
       continue;
     }
     ++r.speculation.verifications;
     r.speculation.drafted += int64_t(draft.size());
-    size_t accepted = 0;
-    bool ended = false;
-    for (size_t j = 0; j < draft.size(); ++j) {
-      const float* before = j == 0 ? logits.data() : rows.data() + (offset + j - 1) * V;
-      const Sampler::Verdict v = sampler.verify({before, V}, history, prompt_len, draft[j]);
-      const Emitted e = emit(v.token);
-      if (e != Emitted::More) {
-        ended = true;
-        if (v.accepted && e == Emitted::Last) ++accepted;  // an end-of-sequence token stays out of the cache
-        break;
-      }
-      if (!v.accepted) {
-        pending = {v.token};
-        break;
-      }
-      ++accepted;
-    }
+    auto before = [&](size_t j) {
+      return std::span<const float>(j == 0 ? logits.data() : rows.data() + (offset + j - 1) * V, V);
+    };
+    const DraftCheck c = check_drafts(sampler, draft, before, history, prompt_len,
+                                      [&](const Sampler::Verdict& v, size_t) { return emit(v.token); });
+    const size_t accepted = c.accepted;
+    const bool ended = c.ended;
+    if (c.rejected) pending = {history.back()};
     r.speculation.accepted += int64_t(accepted);
     length.checked(int(draft.size()), int(accepted));
     // The cache keeps what was run up to the last accepted draft.
@@ -131,11 +116,11 @@ Reply reply(Runner& runner, const text::Tokenizer& tok, const std::vector<int64_
     r.prefill_s = std::chrono::duration<double>(clock::now() - t0).count();
     // Emits one token; false when generation ends with it (not emitted for an end-of-sequence token).
     auto take = [&](int32_t next) {
-      if (is_eos(next)) return Emitted::Nothing;
+      if (is_eos(next)) return Taken::Nothing;
       history.push_back(next);
       ++r.generated;
       out(stop.push(stream.push(next)));
-      return !stop.stopped() && r.generated < o.max_tokens ? Emitted::More : Emitted::Last;
+      return !stop.stopped() && r.generated < o.max_tokens ? Taken::More : Taken::Last;
     };
     speculate(runner, logits, history, prompt_len, o, sampler, r, take);
     r.decode_steps = std::max(0, r.generated - 1);

@@ -50,16 +50,33 @@ class CpuSlots final : public SequenceSlots {
   void run(std::span<const Job> jobs) override {
     for (const Job& j : jobs) {
       KvCache& cache = *caches_.at(size_t(j.slot));
-      if (!j.logits || j.tokens.size() == 1) {
-        fwd_.run(j.tokens, cache, j.logits);
+      if (!j.logits || j.tokens.size() == 1 || j.all_logits) {
+        fwd_.run(j.tokens, cache, j.logits);  // the forward pass writes every token's logits
       } else {
         all_.resize(j.tokens.size() * size_t(vocab_));
         fwd_.run(j.tokens, cache, all_.data());
         std::copy(all_.end() - vocab_, all_.end(), j.logits);
       }
+      // A verification's blocks are published by the rewind that follows it.
       if (blocks_)
-        blocks_->with_ids([&](KvBlocks& ids) { chains_[size_t(j.slot)].wrote(j.tokens, cache.block_ids(), ids); });
+        blocks_->with_ids(
+            [&](KvBlocks& ids) { chains_[size_t(j.slot)].wrote(j.tokens, cache.block_ids(), ids, !j.all_logits); });
     }
+  }
+
+  bool can_verify() const override { return true; }
+  void rewind(int slot, int64_t position) override {
+    KvCache& cache = *caches_.at(size_t(slot));
+    cache.truncate(position);
+    if (blocks_)
+      blocks_->with_ids([&](KvBlocks& ids) {
+        PrefixChain& chain = chains_[size_t(slot)];
+        chain.rewind(size_t(cache.length()));
+        chain.publish(cache.block_ids(), ids);
+      });
+  }
+  int64_t kv_blocks_held() const override {
+    return blocks_ ? blocks_->with_ids([](KvBlocks& ids) { return ids.held(); }) : -1;
   }
 
   std::string describe() const override {

@@ -76,6 +76,10 @@ struct Engine::Sequence {
   SequenceSlots::Sample offer;   // the backend may draw the next token instead (no logprobs asked)
   int32_t drawn = -1;            // what it drew, or -1
   std::vector<int32_t> history;  // prompt, then the generated tokens
+  std::unique_ptr<DraftLength> draft_length;  // with speculation (and no constraint)
+  std::vector<int32_t> verifying;  // a verification step's tokens: the last generated, then the drafts
+  std::vector<float> rows;         // their logits, a row per token
+  bool checking = false;           // inside emit_checked: finish() leaves the slot to be rewound, then closed
   size_t prefilled = 0;          // prompt tokens already run
   int generated = 0;
   int64_t positions = 0;         // prompt + max_tokens
@@ -102,12 +106,16 @@ Engine::Engine(const Model& model, const EngineOptions& o, std::unique_ptr<Seque
   if (o_.max_batch < 1) fail("--max-batch: must be at least 1, got ", o_.max_batch);
   if (o_.prefill_chunk < 1) fail("--prefill-chunk: must be at least 1, got ", o_.prefill_chunk);
   if (o_.step_tokens < 1) fail("--step-tokens: must be at least 1, got ", o_.step_tokens);
+  check_speculation_options(o_.speculation);
   context_ = engine_context(model, o_);
   if (o_.kv_tokens <= 0) o_.kv_tokens = 32 * context_;
   o_.kv_tokens = std::max<int64_t>(1, o_.kv_tokens / KvBlockPool::kBlock) * KvBlockPool::kBlock;  // whole blocks
   if (!slots_) slots_ = make_cpu_slots(model, o_.max_batch, o_.threads, o_.layout, o_.kv_tokens, o_.prefix_cache);
   if (slots_->slots() < o_.max_batch)
     fail("--max-batch ", o_.max_batch, ": ", slots_->describe(), " runs at most ", slots_->slots(), " sequences at once");
+  if (speculating() && !slots_->can_verify())
+    fail("--speculative ", o_.speculation.method, ": ", slots_->describe(),
+         " cannot verify drafted tokens (speculation runs on the CPU backend only)");
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -172,6 +180,8 @@ EngineStats Engine::stats() const {
   st.cached_tokens = cached_tokens_;
   st.generated_tokens = generated_tokens_;
   st.prefix = prefix_;
+  st.speculating = speculating();
+  st.speculation = speculation_;
   return st;
 }
 
@@ -208,8 +218,10 @@ void Engine::finish(Sequence& s, Finish f, const std::string& error, bool locked
   e.finish = f;
   e.error = error;
   s.stream->push(std::move(e));
-  if (s.slot >= 0) slots_->close(s.slot);
-  s.slot = -1;
+  if (s.slot >= 0 && !s.checking) {
+    slots_->close(s.slot);
+    s.slot = -1;
+  }
   s.done = true;
   if (s.index == 0) *s.lead_prefilled = true;  // the other choices go on without it
 }
@@ -243,6 +255,7 @@ void Engine::step_all() {
         s.prefilled = size_t(o.cached);
         s.sampler = std::make_unique<Sampler>(s.req.sampling);
         if (s.req.constraint) s.constraint = s.req.constraint();
+        else if (speculating()) s.draft_length = std::make_unique<DraftLength>(o_.speculation.draft_tokens);
         s.history = s.req.prompt;
         if (s.index == 0) s.stream->set_cached_tokens(o.cached);
         std::lock_guard<std::mutex> lock(mu_);
@@ -263,8 +276,22 @@ void Engine::step_all() {
       j.tokens = {s.req.prompt.data() + s.prefilled, n};
     } else {
       j.tokens = {&s.history.back(), 1};
+      // Drafts, at most what max_tokens leaves after the target's own token of the check.
+      const SpeculationOptions& so = o_.speculation;
+      const int k = s.draft_length ? std::min(s.draft_length->next(), s.req.max_tokens - s.generated - 1) : 0;
+      const std::vector<int32_t> draft = k > 0 ? ngram_draft(s.history, k, so.max_match, so.min_match) : std::vector<int32_t>{};
+      s.verifying.clear();
+      if (!draft.empty()) {
+        s.verifying.push_back(s.history.back());
+        s.verifying.insert(s.verifying.end(), draft.begin(), draft.end());
+        s.rows.resize(s.verifying.size() * size_t(V));
+        j.tokens = s.verifying;
+        j.logits = s.rows.data();
+        j.all_logits = true;
+      }
     }
-    if (s.prefilled + n == s.req.prompt.size()) {  // this step gives the next token's logits
+    // This step gives the next token's logits (a verification has its rows: emit_checked).
+    if (!j.all_logits && s.prefilled + n == s.req.prompt.size()) {
       s.logits.resize(size_t(V));
       j.logits = s.logits.data();
       s.drawn = -1;
@@ -291,7 +318,8 @@ void Engine::step_all() {
     Sequence& s = *seqs[i];
     s.prefilled += ran[i];
     if (s.index == 0 && s.prefilled == s.req.prompt.size()) *s.lead_prefilled = true;
-    if (jobs[i].logits) emit(s, s.drawn);
+    if (jobs[i].all_logits) emit_checked(s);
+    else if (jobs[i].logits) emit(s, s.drawn);
   }
   const PrefixCacheStats p = slots_->prefix_stats();
   std::lock_guard<std::mutex> lock(mu_);
@@ -299,18 +327,58 @@ void Engine::step_all() {
 }
 
 void Engine::emit(Sequence& s, int32_t drawn) {
-  const int64_t V = model_.config.vocab_size;
-  const std::vector<float>& logits = s.logits;
-  TokenEvent e;
-  e.index = s.index;
+  int32_t token;
   if (s.constraint) {
     // Masked in place unless the log-probabilities below need the model's own logits.
     std::vector<float>& m = s.req.top_logprobs >= 0 ? s.masked : s.logits;
-    if (&m == &s.masked) m = logits;
+    if (&m == &s.masked) m = s.logits;
     apply_token_mask(m, s.constraint->allowed());
-    e.token = s.sampler->sample(m, s.history, s.req.prompt.size());
+    token = s.sampler->sample(m, s.history, s.req.prompt.size());
   } else {
-    e.token = drawn >= 0 ? drawn : s.sampler->sample(logits, s.history, s.req.prompt.size());
+    token = drawn >= 0 ? drawn : s.sampler->sample(s.logits, s.history, s.req.prompt.size());
+  }
+  take(s, token, s.logits);
+}
+
+void Engine::emit_checked(Sequence& s) {
+  const size_t V = size_t(model_.config.vocab_size);
+  const std::span<const int32_t> draft = std::span<const int32_t>(s.verifying).subspan(1);
+  const int64_t base = int64_t(s.history.size()) - 1;  // positions cached before the step (all but the last token)
+  auto row = [&](size_t j) { return std::span<const float>(s.rows.data() + j * V, V); };
+  s.checking = true;
+  const DraftCheck c = check_drafts(*s.sampler, draft, row, s.history, s.req.prompt.size(),
+                                    [&](const Sampler::Verdict& v, size_t j) {
+                                      return take(s, v.token, row(j), j == 0 ? int(draft.size()) : 0, v.accepted);
+                                    });
+  // Every draft accepted: the target's own token after them, from the last row.
+  if (!c.ended && !c.rejected)
+    take(s, s.sampler->sample(row(draft.size()), s.history, s.req.prompt.size()), row(draft.size()));
+  s.checking = false;
+  s.draft_length->checked(int(draft.size()), int(c.accepted));  // take() counted the check in speculation_
+  s.verifying.clear();
+  // The cache keeps the last token and the accepted drafts (then publishes their full blocks).
+  try {
+    slots_->rewind(s.slot, base + 1 + int64_t(c.accepted));
+  } catch (const std::exception& ex) {
+    if (!s.done) finish(s, Finish::Error, ex.what());
+  }
+  if (s.done && s.slot >= 0) {
+    slots_->close(s.slot);
+    s.slot = -1;
+  }
+}
+
+Taken Engine::take(Sequence& s, int32_t token, std::span<const float> logits, int drafted, bool accepted_draft) {
+  const int64_t V = model_.config.vocab_size;
+  TokenEvent e;
+  e.index = s.index;
+  e.token = token;
+  e.drafted = drafted;
+  e.accepted_draft = accepted_draft;
+  if (drafted > 0) {  // a check's first token: counted before any of its tokens or the end is streamed
+    std::lock_guard<std::mutex> lock(mu_);
+    ++speculation_.verifications;
+    speculation_.drafted += drafted;
   }
   if (s.req.top_logprobs >= 0) {
     // log-softmax of the raw logits (what the model assigns, before sampling settings).
@@ -331,23 +399,31 @@ void Engine::emit(Sequence& s, int32_t drawn) {
   const bool is_eos = std::find(eos.begin(), eos.end(), int64_t(e.token)) != eos.end();
   if (s.constraint && !s.constraint->accept(e.token)) {
     finish(s, Finish::Error, cat("the grammar refused the token ", e.token, " its own mask allowed"));
-    return;
+    return Taken::Nothing;
   }
   // A constrained choice ends on the end-of-sequence token only where its grammar may end (the mask
   // allows it only there), ignore_eos or not.
   if (is_eos && (!s.req.ignore_eos || s.constraint)) {
     finish(s, Finish::Eos);
-    return;
+    return Taken::Nothing;
   }
   s.history.push_back(e.token);
   ++s.generated;
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++generated_tokens_;
+    speculation_.accepted += accepted_draft;
   }
   s.stream->push(std::move(e));
-  if (s.constraint && s.constraint->ended()) finish(s, Finish::Eos);  // complete: nothing may follow
-  else if (s.generated >= s.req.max_tokens) finish(s, Finish::Length);
+  if (s.constraint && s.constraint->ended()) {  // complete: nothing may follow
+    finish(s, Finish::Eos);
+    return Taken::Last;
+  }
+  if (s.generated >= s.req.max_tokens) {
+    finish(s, Finish::Length);
+    return Taken::Last;
+  }
+  return Taken::More;
 }
 
 void Engine::loop() {

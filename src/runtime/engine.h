@@ -7,7 +7,11 @@
 // together and streamed through one RequestStream. Every step advances every running sequence
 // (sequence_slots.h: one after another on the CPU, one batched decode step on the GPU); each has
 // its own KV cache and sampler, so a request yields the same tokens alone or among many (on the
-// GPU to rounding). A backend that samples itself (the GPU, for requests without penalties or
+// GPU to rounding). With speculation (EngineOptions::speculation, where the backend can verify: the
+// CPU), a decoding sequence drafts tokens by prompt lookup over its prompt and output and runs its
+// last token and the drafts in one job of every row's logits; the drafts the check accepts stream
+// as tokens, the rest are rewound (the same greedy tokens as without; sampled ones from the same
+// distribution, but other draws of the seed's stream). A backend that samples itself (the GPU, for requests without penalties or
 // log-probabilities) draws from the same distribution as the host's sampler with a random stream
 // of its own, so a seeded request is reproducible on one backend, not across them.
 #pragma once
@@ -28,6 +32,7 @@
 #include "parallel/layout.h"
 #include "runtime/sampler.h"
 #include "runtime/sequence_slots.h"
+#include "runtime/speculative.h"
 #include "runtime/token_constraint.h"
 
 namespace kestrel {
@@ -43,6 +48,11 @@ struct EngineOptions {
   bool prefix_cache = true;    // the CPU slots' (sequence_slots.h); the GPU's are made with their own
   int threads = 0;             // CPU threads (0: all cores)
   Layout layout;               // the model split over threads (parallel/layout.h)
+  // Prompt-lookup speculation of decoding sequences without a constraint (runtime/speculative.h;
+  // the backend must verify: SequenceSlots::can_verify). Drafted tokens are not prompt tokens:
+  // they leave step_tokens to the prompts, and a step runs at most draft_tokens more rows per
+  // decoding sequence.
+  SpeculationOptions speculation;
 };
 
 struct GenerationRequest {
@@ -86,6 +96,10 @@ struct TokenEvent {
   std::vector<TokenLogprob> top;  // best alternatives, most likely first
   Finish finish = Finish::None;
   std::string error;              // with Finish::Error
+  // With speculation: the tokens drafted by the check that made this token (on the check's first
+  // token only, 0 on the others), and whether this token is a draft the check accepted.
+  int drafted = 0;
+  bool accepted_draft = false;
 };
 
 // The consumer side of one request: the events of its choices, interleaved in the order they
@@ -134,6 +148,8 @@ struct EngineStats {
   int64_t prompt_tokens = 0, generated_tokens = 0;  // totals since start
   int64_t cached_tokens = 0;                        // of the prompt tokens, from the prefix cache
   PrefixCacheStats prefix;                          // the backend's prefix cache
+  bool speculating = false;                         // EngineOptions::speculation is on
+  SpeculationStats speculation;                     // totals since start
 };
 
 // The most positions one sequence may use: --context, else the model's, at most 8192.
@@ -159,6 +175,7 @@ class Engine {
   EngineStats stats() const;
   int64_t context() const { return context_; }
   int max_batch() const { return o_.max_batch; }
+  bool speculating() const { return o_.speculation.method != "none"; }
   std::string describe() const { return slots_->describe(); }  // where the sequences run
   const Model& model() const { return model_; }
 
@@ -175,6 +192,12 @@ class Engine {
   // After a step that produced the sequence's next token: `drawn` when the backend sampled it
   // (SequenceSlots::Sample), else -1 and the host samples from the logits; stream, finish.
   void emit(Sequence& s, int32_t drawn);
+  // After a verification step: the drafts the check accepts, then the token drawn in place of
+  // the first rejected one or after the last; the rejected rows rewound.
+  void emit_checked(Sequence& s);
+  // Streams `token`, drawn from `logits` (its log-probabilities, when asked, from them), and ends
+  // the sequence where it ends (Taken, speculative.h).
+  Taken take(Sequence& s, int32_t token, std::span<const float> logits, int drafted = 0, bool accepted_draft = false);
   // Sends the end event and frees the sequence's KV positions (`locked`: mu_ is held).
   void finish(Sequence& s, Finish f, const std::string& error = "", bool locked = false);
 
@@ -189,6 +212,7 @@ class Engine {
   std::vector<std::unique_ptr<Sequence>> running_;
   int64_t kv_used_ = 0, prompt_tokens_ = 0, generated_tokens_ = 0, cached_tokens_ = 0;
   PrefixCacheStats prefix_;
+  SpeculationStats speculation_;
   bool accepting_ = true, stop_ = false;
   std::thread thread_;
 };

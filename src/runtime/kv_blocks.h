@@ -95,13 +95,31 @@ struct PrefixChain {
   }
   // The sequence wrote `more` at its next positions; publishes the blocks full now (row[i]: the
   // id of its i-th block).
+  // With `publish` false (a verification whose rejected tokens are rewound next) nothing is
+  // published until publish() (after rewind()).
   template <class Id>
-  void wrote(std::span<const int32_t> more, std::span<const Id> row, KvBlocks& ids) {
+  void wrote(std::span<const int32_t> more, std::span<const Id> row, KvBlocks& ids, bool publish_now = true) {
     if (!ids.prefix_cache()) return;
     tokens.insert(tokens.end(), more.begin(), more.end());
+    if (publish_now) publish(row, ids);
+  }
+  template <class Id>
+  void publish(std::span<const Id> row, KvBlocks& ids) {
+    if (!ids.prefix_cache()) return;
     for (; (published + 1) * KvBlocks::kBlock <= tokens.size() && published < row.size(); ++published)
       hash = ids.publish(hash, std::span<const int32_t>(tokens).subspan(published * KvBlocks::kBlock, KvBlocks::kBlock),
                          int32_t(row[published]));
+  }
+  // The sequence's positions from n on are gone (its blocks past them given back; a published
+  // one stays cached as it was).
+  void rewind(size_t n) {
+    if (n >= tokens.size()) return;
+    tokens.resize(n);
+    if (published * KvBlocks::kBlock <= n) return;
+    published = n / KvBlocks::kBlock;
+    hash = KvBlocks::kNoParent;
+    for (size_t b = 0; b < published; ++b)
+      hash = KvBlocks::chain(hash, std::span<const int32_t>(tokens).subspan(b * KvBlocks::kBlock, KvBlocks::kBlock));
   }
 };
 

@@ -26,6 +26,10 @@ class ScriptedSlots final : public SequenceSlots {
   bool prefix_cache() const override { return inner_->prefix_cache(); }
   PrefixCacheStats prefix_stats() const override { return inner_->prefix_stats(); }
   void run(std::span<const Job> jobs) override;
+  // The script stands in for the backend's draws, which a verification does not offer: no
+  // speculation over scripted replies.
+  bool can_verify() const override { return false; }
+  int64_t kv_blocks_held() const override { return inner_->kv_blocks_held(); }
   std::string describe() const override { return inner_->describe() + ", scripted replies (a test)"; }
 
  private:

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/error.h"
 #include "common/thread_pool.h"
 #include "model/weights.h"
 #include "parallel/layout.h"
@@ -52,8 +53,23 @@ class SequenceSlots {
     std::span<const int32_t> tokens;  // 1 .. max_chunk() tokens at the slot's next positions
     float* logits = nullptr;          // receives the last token's logits [vocab] unless null
     const Sample* sample = nullptr;   // with logits: the backend may sample instead
+    // A verification (speculative decoding; only where can_verify()): `logits` receives every
+    // token's logits [tokens, vocab], `sample` is null, and the slot's next call is rewind(),
+    // which keeps the positions of the accepted tokens. Until then the blocks the job filled are
+    // not published to the prefix cache, so a rejected token never enters it.
+    bool all_logits = false;
   };
   virtual void run(std::span<const Job> jobs) = 0;
+  // Whether jobs may ask for all_logits and slots be rewound (the CPU slots; not the GPU's yet).
+  virtual bool can_verify() const { return false; }
+  // Drops the slot's positions from `position` on (at least the length it had before its last
+  // job), giving back the blocks no longer needed, then publishes the full blocks a verification
+  // left unpublished.
+  virtual void rewind(int slot, int64_t position) {
+    fail("internal: ", describe(), " cannot rewind slot ", slot, " to ", position);
+  }
+  // KV blocks held by the open slots (-1 where the backend does not count them): for tests.
+  virtual int64_t kv_blocks_held() const { return -1; }
   virtual std::string describe() const = 0;  // "cpu, 2 threads" or "cuda, ..."
 };
 

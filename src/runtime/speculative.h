@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "runtime/sampler.h"
+
 namespace kestrel {
 
 struct SpeculationOptions {
@@ -48,5 +50,45 @@ struct SpeculationStats {
   double mean_accepted_length() const { return verifications ? double(accepted + verifications) / double(verifications) : 0; }
   double acceptance() const { return drafted ? double(accepted) / double(drafted) : 0; }
 };
+
+// What the taker of a checked token did with it: Nothing (not taken: an end-of-sequence token
+// ends the sequence without it), More (taken, the sequence goes on), Last (taken, and the
+// sequence ends with it: a stop string, max_tokens).
+enum class Taken { Nothing, More, Last };
+
+struct DraftCheck {
+  size_t accepted = 0;    // drafts accepted and taken: their positions stay in the cache
+  bool ended = false;     // take() ended the sequence
+  bool rejected = false;  // a draft was rejected; the token drawn in its place was taken (not run yet)
+};
+
+// The acceptance check of speculative decoding, one for `generate`/`chat` (apps/reply.cpp) and
+// the server's engine (runtime/engine.cpp): draft[j] is checked in order against before(j), the
+// target's logits at its position (Sampler::verify: greedy keeps the argmax, sampling keeps the
+// distribution), and each verdict goes to take(verdict, j), which appends its token to `history`
+// and says how the sequence goes on. The check stops at the first rejected draft (the token
+// drawn in its place is taken instead) or where take() ends the sequence; an accepted draft
+// that is not taken (an end-of-sequence token) is not counted. With every draft accepted, the
+// target's token after them is the caller's to draw, from the logits after the last draft.
+template <class Before, class Take>
+DraftCheck check_drafts(Sampler& sampler, std::span<const int32_t> draft, Before&& before,
+                        const std::vector<int32_t>& history, size_t prompt_len, Take&& take) {
+  DraftCheck c;
+  for (size_t j = 0; j < draft.size(); ++j) {
+    const Sampler::Verdict v = sampler.verify(before(j), history, prompt_len, draft[j]);
+    const Taken t = take(v, j);
+    if (t != Taken::More) {
+      c.ended = true;
+      if (v.accepted && t == Taken::Last) ++c.accepted;
+      return c;
+    }
+    if (!v.accepted) {
+      c.rejected = true;
+      return c;
+    }
+    ++c.accepted;
+  }
+  return c;
+}
 
 }  // namespace kestrel

@@ -208,6 +208,8 @@ struct HttpServer::Generation : HttpProducer {
     if (e.finish == Finish::None) {
       ++st.tokens;
       ++c.usage.completion_tokens;
+      c.usage.drafted_tokens += e.drafted;
+      c.usage.accepted_tokens += e.accepted_draft;
       const auto now = clock_type::now();
       if (c.usage.completion_tokens == 1) metrics.first_token(seconds_since(start_time));
       if (st.tokens > 1) metrics.inter_token(std::chrono::duration<double>(now - st.last_token).count());
@@ -398,6 +400,7 @@ HttpReply HttpServer::generate(Endpoint endpoint, const HttpRequest& http) {
   g->c.model = o_.model_name;
   g->c.created = unix_now();
   g->c.usage.prompt_tokens = prompt_tokens;
+  g->c.usage.speculating = engine_.speculating();
   HttpReply reply;
   reply.later = std::move(g);
   return reply;

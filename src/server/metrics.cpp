@@ -76,6 +76,17 @@ std::string Metrics::render(const EngineStats& e, const HttpStats& h) const {
   gauge(out, "kestrel_prefix_cache_blocks", "KV blocks of 16 positions the prefix cache holds.", "gauge",
         double(e.prefix.cached_blocks));
   gauge(out, "kestrel_generation_tokens_total", "Tokens generated.", "counter", double(e.generated_tokens));
+  gauge(out, "kestrel_speculation_verifications_total", "Checks of drafted tokens (--speculative).", "counter",
+        double(e.speculation.verifications));
+  gauge(out, "kestrel_speculation_draft_tokens_total", "Tokens drafted by prompt lookup.", "counter",
+        double(e.speculation.drafted));
+  gauge(out, "kestrel_speculation_accepted_tokens_total", "Drafted tokens the checks accepted.", "counter",
+        double(e.speculation.accepted));
+  gauge(out, "kestrel_speculation_acceptance_rate", "Accepted drafted tokens over drafted tokens (0 before any).",
+        "gauge", e.speculation.acceptance());
+  gauge(out, "kestrel_speculation_mean_accepted_length",
+        "Tokens a check yields on average: its accepted drafts and the target's own token (0 before any).", "gauge",
+        e.speculation.mean_accepted_length());
   gauge(out, "kestrel_requests_running", "Sequences in the running batch.", "gauge", e.running);
   gauge(out, "kestrel_requests_waiting", "Sequences queued for admission (n per request of n choices).", "gauge", e.waiting);
   gauge(out, "kestrel_kv_positions_used", "KV cache positions reserved by running sequences.", "gauge", double(e.kv_used));

@@ -1,6 +1,6 @@
 // Server metrics in the Prometheus text format: requests by endpoint and status, tokens in and
-// out, time to first token and inter-token latency histograms, the engine's queue and KV use, and
-// the HTTP front's connections.
+// out, time to first token and inter-token latency histograms, the engine's queue and KV use, its
+// speculation's checks (drafted and accepted tokens), and the HTTP front's connections.
 #pragma once
 #include <cstdint>
 #include <map>

@@ -374,10 +374,13 @@ json template_messages(const json& messages, bool arguments_as_objects) {
 namespace {
 
 json usage_json(const Usage& u) {
-  return {{"prompt_tokens", u.prompt_tokens},
-          {"completion_tokens", u.completion_tokens},
-          {"total_tokens", u.prompt_tokens + u.completion_tokens},
-          {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}}};
+  json j = {{"prompt_tokens", u.prompt_tokens},
+            {"completion_tokens", u.completion_tokens},
+            {"total_tokens", u.prompt_tokens + u.completion_tokens},
+            {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}}};
+  if (u.speculating)
+    j["speculation"] = {{"drafted_tokens", u.drafted_tokens}, {"accepted_tokens", u.accepted_tokens}};
+  return j;
 }
 
 json logprobs_json(Endpoint endpoint, const std::vector<TokenInfo>& tokens) {

@@ -96,6 +96,10 @@ struct TokenInfo {
 struct Usage {
   int64_t prompt_tokens = 0, completion_tokens = 0;
   int64_t cached_tokens = 0;  // of the prompt's, from the prefix cache (prompt_tokens_details)
+  // A vendor field `speculation` where the server speculates: tokens drafted by the checks that
+  // made the reply's tokens, and how many of the reply's tokens are accepted drafts.
+  bool speculating = false;
+  int64_t drafted_tokens = 0, accepted_tokens = 0;
 };
 
 // One choice of a response; `finish_reason` "stop", "length" or "tool_calls".

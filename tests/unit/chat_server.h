@@ -1,6 +1,7 @@
 // A `kestrel serve` in process, over HTTP on a free port, on the qwen3-chat fixture (Qwen3's
 // template over a tiny random model), for the tests of the chat endpoints: the engine on the CPU
-// slots unless a test's fixture makes its own (make_slots), restartable with another template.
+// slots unless a test's fixture makes its own (make_slots), restartable with another template or
+// speculation.
 #pragma once
 #include <gtest/gtest.h>
 #include <httplib.h>
@@ -38,6 +39,7 @@ class ChatServerTest : public ::testing::Test {
     eo.context = 2048;
     eo.kv_tokens = 4 * 2048;
     eo.threads = 1;
+    eo.speculation = speculation_;
     engine_ = std::make_unique<Engine>(*model_, eo, make_slots(eo));
     ServerOptions so;
     so.port = 0;
@@ -70,6 +72,7 @@ class ChatServerTest : public ::testing::Test {
   }
 
   std::string dir_;
+  SpeculationOptions speculation_;  // the engine's, from the next start()
   std::unique_ptr<Model> model_;
   std::unique_ptr<text::Tokenizer> tok_;
   std::unique_ptr<Engine> engine_;

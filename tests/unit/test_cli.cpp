@@ -68,5 +68,30 @@ TEST(Cli, BadInputGivesOneClearLineAndNonZeroExit) {
   }
 }
 
+// `kestrel serve --speculative`: values out of range, the GPU and scripted replies are refused
+// before the model loads, each with one line naming the flag; valid flags pass on to the next
+// check (here an out-of-range port).
+TEST(Cli, ServeSpeculationFlags) {
+  const std::string fx = "serve --model " + test::fixture_dir("qwen3-chat") + " ";
+  struct Case {
+    std::string args, expect;
+  } cases[] = {
+      {fx + "--speculative mtp", "--speculative: expected none or ngram"},
+      {fx + "--speculative ngram --draft-tokens 0", "--draft-tokens: expected 1..16"},
+      {fx + "--speculative ngram --draft-tokens 17", "--draft-tokens: expected 1..16"},
+      {fx + "--speculative ngram --device cuda", "--speculative ngram: not on the GPU yet"},
+      {fx + "--speculative ngram --device cpu --test-scripted-reply hi", "--test-scripted-reply: not with --speculative"},
+      {fx + "--speculative ngram --draft-tokens 4 --device cpu --port 70000", "--port: expected 0..65535"},
+      {fx + "--speculative none --draft-tokens 4 --device cpu --port 70000", "--port: expected 0..65535"},
+  };
+  for (const auto& c : cases) {
+    auto r = test::run_kestrel(c.args);
+    EXPECT_NE(r.status, 0) << c.args;
+    EXPECT_LT(r.status, 128) << "crashed: " << c.args << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.expect), std::string::npos) << c.args << "\n" << r.output;
+    EXPECT_EQ(r.output.find('\n'), r.output.size() - 1) << "more than one line: " << c.args << "\n" << r.output;
+  }
+}
+
 }  // namespace
 }  // namespace kestrel

@@ -2,17 +2,23 @@
 // many (greedy and seeded sampling), prompts longer than a prefill chunk, cancellation frees the
 // KV positions, admission waits for room and refuses what can never fit, shutdown ends streams;
 // requests of n choices (seeds per choice, admitted together, cancelled together); a backend that
-// samples itself; constrained requests; the per-step budget of prompt tokens.
+// samples itself; constrained requests; the per-step budget of prompt tokens; speculation (the
+// plain greedy tokens and the checks they call for, end tokens, log-probabilities, the prompt
+// budget, rewinds and the prefix cache).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <chrono>
 #include <future>
+#include <map>
+#include <tuple>
 #include <thread>
 
 #include "fixture.h"
 #include "model/weights.h"
 #include "runtime/engine.h"
+#include "runtime/scripted_slots.h"
+#include "runtime/speculative.h"
 
 namespace kestrel {
 namespace {
@@ -426,8 +432,12 @@ class CpuSlotsWrapper : public SequenceSlots {
   int64_t max_chunk() const override { return inner_->max_chunk(); }
   Opened open(int64_t positions, std::span<const int32_t> prompt) override { return inner_->open(positions, prompt); }
   bool prefix_cache() const override { return inner_->prefix_cache(); }
+  PrefixCacheStats prefix_stats() const override { return inner_->prefix_stats(); }
   void close(int slot) override { inner_->close(slot); }
   void run(std::span<const Job> jobs) override { inner_->run(jobs); }
+  bool can_verify() const override { return inner_->can_verify(); }
+  void rewind(int slot, int64_t position) override { inner_->rewind(slot, position); }
+  int64_t kv_blocks_held() const override { return inner_->kv_blocks_held(); }
   std::string describe() const override { return "wrapped " + inner_->describe(); }
 
  protected:
@@ -609,6 +619,342 @@ TEST_F(EngineTest, ConstrainedRequestsSampleMaskedLogitsOnTheHost) {
   }
   EXPECT_EQ(made, 4);
   EXPECT_TRUE(backend->offers.empty());
+}
+
+// Speculation (prompt lookup) in the engine.
+
+// A prompt that repeats itself, so that drafts are proposed from the first decoding step.
+std::vector<int32_t> repeating_prompt(int n, int offset) {
+  std::vector<int32_t> p;
+  for (int i = 0; i < n; ++i) p.push_back(int32_t(offset + (i * 7) % 5));
+  return p;
+}
+
+EngineOptions speculative(EngineOptions o, int draft_tokens = 8) {
+  o.speculation.method = "ngram";
+  o.speculation.draft_tokens = draft_tokens;
+  return o;
+}
+
+// What speculation must do to a greedy sequence whose plain tokens are `out` (max_tokens of
+// them, no end-of-sequence token): the drafts of each step (at most what max_tokens leaves), the
+// accepted ones those that match `out`, worked out here from the plain tokens alone.
+SpeculationStats expected_checks(const std::vector<int32_t>& prompt, const std::vector<int32_t>& out,
+                                 const SpeculationOptions& so) {
+  SpeculationStats st;
+  DraftLength length(so.draft_tokens);
+  const int max_tokens = int(out.size());
+  std::vector<int32_t> history = prompt;
+  size_t g = 1;  // the prefill's token
+  history.push_back(out[0]);
+  while (int(g) < max_tokens) {
+    const int k = std::min(length.next(), max_tokens - int(g) - 1);
+    const std::vector<int32_t> draft = k > 0 ? ngram_draft(history, k, so.max_match, so.min_match) : std::vector<int32_t>{};
+    size_t accepted = 0;
+    while (accepted < draft.size() && draft[accepted] == out[g + accepted]) ++accepted;
+    if (!draft.empty()) {
+      ++st.verifications;
+      st.drafted += int64_t(draft.size());
+      st.accepted += int64_t(accepted);
+      length.checked(int(draft.size()), int(accepted));
+    }
+    for (size_t i = 0; i <= accepted && g < out.size(); ++i) history.push_back(out[g++]);
+  }
+  return st;
+}
+
+// Greedy requests give the tokens they give without speculation, alone and several at once
+// (sequences that verify beside sequences that prefill or decode plainly), over outputs of several
+// KV blocks, for every most draft length; the checks are those the plain tokens call for.
+TEST_F(EngineTest, SpeculationGivesThePlainGreedyTokens) {
+  EngineOptions o;
+  o.max_batch = 4;
+  o.context = 160;
+  o.prefill_chunk = 16;
+  o.threads = 1;
+  std::vector<GenerationRequest> reqs;
+  for (int i = 0; i < 6; ++i) reqs.push_back(request(repeating_prompt(18 + 5 * i, 40 + i), 40 + 13 * i));
+  reqs.push_back(request({3, 17, 5, 9, 11, 2}, 50));  // drafts only once its output repeats
+  std::vector<Result> plain;
+  {
+    Engine e(*model_, o);
+    for (const auto& r : reqs) plain.push_back(drain(*e.submit(r)));
+  }
+  for (int draft : {1, 3, 8}) {
+    SCOPED_TRACE("draft tokens " + std::to_string(draft));
+    const EngineOptions so = speculative(o, draft);
+    SpeculationStats want;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      const SpeculationStats w = expected_checks(reqs[i].prompt, plain[i].tokens, so.speculation);
+      want.verifications += w.verifications, want.drafted += w.drafted, want.accepted += w.accepted;
+    }
+    ASSERT_GT(want.accepted, 0) << "the fixture's outputs never repeat: nothing here checks speculation";
+    for (bool together : {false, true}) {
+      SCOPED_TRACE(together ? "together" : "alone");
+      auto slots = std::make_unique<CpuSlotsWrapper>(*model_, o.max_batch);
+      CpuSlotsWrapper* backend = slots.get();
+      Engine e(*model_, so, std::move(slots));
+      std::vector<Result> got;
+      if (together) {
+        std::vector<std::shared_ptr<RequestStream>> streams;
+        for (const auto& r : reqs) streams.push_back(e.submit(r));
+        for (auto& s : streams) got.push_back(drain(*s));
+      } else {
+        for (const auto& r : reqs) got.push_back(drain(*e.submit(r)));
+      }
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        EXPECT_EQ(got[i].tokens, plain[i].tokens) << "request " << i;
+        EXPECT_EQ(got[i].finish, Finish::Length);
+      }
+      const EngineStats st = e.stats();
+      EXPECT_TRUE(st.speculating);
+      EXPECT_EQ(st.speculation.verifications, want.verifications);
+      EXPECT_EQ(st.speculation.drafted, want.drafted);
+      EXPECT_EQ(st.speculation.accepted, want.accepted);
+      EXPECT_EQ(st.kv_used, 0);
+      for (int i = 0; i < 100 && e.stats().running > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      EXPECT_EQ(backend->kv_blocks_held(), 0) << "a finished sequence kept KV blocks";
+    }
+  }
+}
+
+// An end-of-sequence token inside a run of accepted drafts ends the sequence there, unstreamed,
+// as without speculation: the fixture's end tokens are set to tokens its plain output makes.
+TEST_F(EngineTest, SpeculationEndsAtTheEndOfSequenceToken) {
+  EngineOptions o;
+  o.context = 128;
+  o.threads = 1;
+  const std::vector<int32_t> prompt = repeating_prompt(24, 40);
+  const Result plain = drain(*Engine(*model_, o).submit(request(prompt, 60)));
+  ASSERT_EQ(plain.tokens.size(), 60u);
+  int ended_early = 0;
+  for (size_t at : {5u, 17u, 30u, 44u}) {
+    const int32_t eos = plain.tokens[at];
+    model_->config.eos_token_ids = {eos};
+    GenerationRequest r = request(prompt, 60);
+    r.ignore_eos = false;
+    const Result want = drain(*Engine(*model_, o).submit(r));
+    Engine e(*model_, speculative(o));
+    const Result got = drain(*e.submit(r));
+    EXPECT_EQ(got.tokens, want.tokens) << "end token " << eos;
+    EXPECT_EQ(got.finish, want.finish) << "end token " << eos;
+    EXPECT_EQ(std::find(got.tokens.begin(), got.tokens.end(), eos), got.tokens.end());
+    ended_early += want.finish == Finish::Eos;
+    EXPECT_EQ(e.stats().generated_tokens, int64_t(got.tokens.size()));
+  }
+  EXPECT_GT(ended_early, 0);
+}
+
+// Log-probabilities come from each verified row (those of plain decoding, to rounding); sampled
+// requests are reproducible per seed and give max_tokens tokens; constrained requests do not
+// speculate; a backend that cannot verify refuses speculation.
+TEST_F(EngineTest, SpeculationLogprobsSamplingAndConstraints) {
+  EngineOptions o;
+  o.max_batch = 2;
+  o.context = 128;
+  o.threads = 1;
+  GenerationRequest lp = request(repeating_prompt(20, 41), 40);
+  lp.top_logprobs = 3;
+  auto events = [&](Engine& e, const GenerationRequest& r) {
+    std::vector<TokenEvent> out;
+    auto s = e.submit(r);
+    TokenEvent ev;
+    while (s->next(ev))
+      if (ev.finish == Finish::None) out.push_back(ev);
+    return out;
+  };
+  Engine plain(*model_, o), spec(*model_, speculative(o));
+  const std::vector<TokenEvent> a = events(plain, lp), b = events(spec, lp);
+  ASSERT_EQ(a.size(), b.size());
+  int from_drafts = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].token, b[i].token) << i;
+    EXPECT_NEAR(a[i].logprob, b[i].logprob, 1e-4) << i;
+    ASSERT_EQ(b[i].top.size(), 3u);
+    for (size_t t = 0; t < 3; ++t) {
+      EXPECT_EQ(a[i].top[t].token, b[i].top[t].token) << i;
+      EXPECT_NEAR(a[i].top[t].logprob, b[i].top[t].logprob, 1e-4) << i;
+    }
+    EXPECT_FALSE(a[i].accepted_draft);
+    EXPECT_EQ(a[i].drafted, 0);
+    from_drafts += b[i].accepted_draft;
+  }
+  EXPECT_GT(from_drafts, 0);
+  EXPECT_EQ(spec.stats().speculation.accepted, from_drafts);
+
+  GenerationRequest hot = request(repeating_prompt(20, 41), 30, 0.8f, 11);
+  const Result h1 = drain(*spec.submit(hot)), h2 = drain(*spec.submit(hot));
+  EXPECT_EQ(h1.tokens, h2.tokens);
+  EXPECT_EQ(h1.tokens.size(), 30u);
+
+  const SpeculationStats before = spec.stats().speculation;
+  const std::vector<int32_t> script = {40, 42, 44, 41, 43, 40, 42, 44, 41, 43, 40, 42};
+  GenerationRequest c = request(repeating_prompt(20, 40), 20);
+  const int64_t V = model_->config.vocab_size;
+  c.constraint = [&]() -> std::unique_ptr<TokenConstraint> { return std::make_unique<ScriptConstraint>(script, V); };
+  const Result rc = drain(*spec.submit(c));
+  EXPECT_EQ(rc.tokens, script);
+  EXPECT_EQ(spec.stats().speculation.verifications, before.verifications) << "a constrained request speculated";
+
+  auto scripted = std::make_unique<ScriptedSlots>(make_cpu_slots(*model_, 2, 1, {}, 4096), V, 0, std::vector<int32_t>{});
+  EXPECT_THROW(Engine(*model_, speculative(o), std::move(scripted)), Error);
+  EXPECT_THROW(Engine(*model_, speculative(o, 0)), Error);
+  EngineOptions bad = o;
+  bad.speculation.method = "mtp";
+  EXPECT_THROW(Engine(*model_, bad), Error);
+}
+
+// The CPU slots, noting for every step the sizes of its prompt jobs (a slot's positions short of
+// its prompt) and the verification jobs, and holding the first step until the test opens the gate.
+class PromptRecordingSlots final : public CpuSlotsWrapper {
+ public:
+  using CpuSlotsWrapper::CpuSlotsWrapper;
+  Opened open(int64_t positions, std::span<const int32_t> prompt) override {
+    const Opened o = inner_->open(positions, prompt);
+    prompt_[o.slot] = int64_t(prompt.size());
+    written_[o.slot] = o.cached;
+    return o;
+  }
+  void run(std::span<const Job> jobs) override {
+    if (prompt_steps.empty()) gate.get_future().wait();
+    std::vector<size_t> prompts;
+    int checks = 0;
+    for (const Job& j : jobs) {
+      if (written_[j.slot] < prompt_[j.slot]) prompts.push_back(j.tokens.size());
+      checks += j.all_logits;
+      written_[j.slot] += int64_t(j.tokens.size());
+    }
+    prompt_steps.push_back(prompts);
+    verifications.push_back(checks);
+    inner_->run(jobs);
+  }
+  void rewind(int slot, int64_t position) override {
+    written_[slot] = position;
+    inner_->rewind(slot, position);
+  }
+  std::promise<void> gate;
+  std::vector<std::vector<size_t>> prompt_steps;
+  std::vector<int> verifications;
+
+ private:
+  std::map<int, int64_t> prompt_, written_;
+};
+
+// Drafted tokens do not take the step's prompt budget: prompts are prefilled in the chunks and
+// steps they are without speculation while a sequence beside them verifies drafts.
+TEST_F(EngineTest, SpeculationLeavesThePromptBudgetToPrompts) {
+  EngineOptions o;
+  o.max_batch = 3;
+  o.context = 256;
+  o.prefill_chunk = 8;
+  o.step_tokens = 10;
+  o.threads = 1;
+  // The first decodes (and drafts once its output repeats) while the others' prompts take 25 steps.
+  const std::vector<GenerationRequest> reqs = {request(repeating_prompt(12, 40), 60), request(repeating_prompt(151, 60), 4),
+                                               request(repeating_prompt(99, 80), 4)};
+  auto run = [&](const EngineOptions& eo) {
+    auto slots = std::make_unique<PromptRecordingSlots>(*model_, eo.max_batch);
+    PromptRecordingSlots* rec = slots.get();
+    Engine e(*model_, eo, std::move(slots));
+    std::vector<std::shared_ptr<RequestStream>> streams;
+    streams.push_back(e.submit(reqs[0]));
+    while (e.stats().running == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    streams.push_back(e.submit(reqs[1]));
+    streams.push_back(e.submit(reqs[2]));
+    rec->gate.set_value();
+    std::vector<std::vector<int32_t>> out;
+    for (auto& s : streams) out.push_back(drain(*s).tokens);
+    std::vector<std::vector<size_t>> prompts;
+    int checks_beside_prompts = 0;
+    for (size_t i = 0; i < rec->prompt_steps.size(); ++i) {
+      if (!rec->prompt_steps[i].empty()) prompts.push_back(rec->prompt_steps[i]);
+      checks_beside_prompts += rec->prompt_steps[i].empty() ? 0 : rec->verifications[i];
+    }
+    return std::make_tuple(out, prompts, checks_beside_prompts);
+  };
+  const auto [plain_out, plain_prompts, none] = run(o);
+  const auto [out, prompts, checks] = run(speculative(o));
+  EXPECT_EQ(out, plain_out);
+  EXPECT_EQ(prompts, plain_prompts);
+  EXPECT_EQ(none, 0);
+  EXPECT_GT(checks, 0) << "no verification ran beside a prefill: nothing here checks the budget";
+}
+
+// A rewind gives back the blocks past the kept positions, and a verification's blocks reach the
+// prefix cache only after it: a prompt that begins with rejected tokens finds nothing, one that
+// begins with what was kept finds its full blocks.
+TEST(SpeculationSlots, RewindFreesBlocksAndKeepsRejectedTokensOutOfThePrefixCache) {
+  auto model = load_model(test::fixture_dir("qwen3moe-bf16"));
+  const size_t V = size_t(model->config.vocab_size);
+  auto slots = make_cpu_slots(*model, 2, 1, {}, 16 * 16);
+  ASSERT_TRUE(slots->can_verify());
+  const std::vector<int32_t> prompt = repeating_prompt(12, 40);
+  const SequenceSlots::Opened a = slots->open(64, prompt);
+  ASSERT_EQ(a.cached, 0);
+  std::vector<float> logits(V);
+  SequenceSlots::Job j;
+  j.slot = a.slot;
+  j.tokens = prompt;
+  j.logits = logits.data();
+  slots->run({&j, 1});
+  EXPECT_EQ(slots->kv_blocks_held(), 1);
+  // A verification of 10 tokens over positions 12..21: into a second block.
+  const std::vector<int32_t> check = {50, 51, 52, 53, 54, 55, 56, 57, 58, 59};
+  std::vector<float> rows(check.size() * V);
+  SequenceSlots::Job v;
+  v.slot = a.slot;
+  v.tokens = check;
+  v.logits = rows.data();
+  v.all_logits = true;
+  slots->run({&v, 1});
+  EXPECT_EQ(slots->kv_blocks_held(), 2);
+  EXPECT_EQ(slots->prefix_stats().cached_blocks, 0) << "a verification's block was published before its rewind";
+  slots->rewind(a.slot, 14);  // 50 and 51 kept
+  EXPECT_EQ(slots->kv_blocks_held(), 1);
+  EXPECT_EQ(slots->prefix_stats().cached_blocks, 0);
+  const std::vector<int32_t> more = {60, 61, 62};
+  j.tokens = more;
+  slots->run({&j, 1});  // positions 14..16: the first block is full with the kept tokens
+  EXPECT_EQ(slots->prefix_stats().cached_blocks, 1);
+
+  std::vector<int32_t> rejected = prompt;  // the prompt, then the rewound drafts
+  rejected.insert(rejected.end(), check.begin(), check.end());
+  rejected.push_back(7);
+  const SequenceSlots::Opened b = slots->open(64, rejected);
+  EXPECT_EQ(b.cached, 0) << "the prefix cache holds rejected tokens";
+  slots->close(b.slot);
+  std::vector<int32_t> kept = prompt;
+  kept.insert(kept.end(), {50, 51, 60, 61, 62});
+  const SequenceSlots::Opened c = slots->open(64, kept);
+  EXPECT_EQ(c.cached, 16);
+  slots->close(c.slot);
+  slots->close(a.slot);
+  EXPECT_EQ(slots->kv_blocks_held(), 0);
+}
+
+// After speculation the prefix cache holds what it holds without: a prompt made of an earlier
+// prompt and its reply finds the same blocks, and gives the same tokens.
+TEST_F(EngineTest, SpeculationPublishesTheRepliesBlocks) {
+  EngineOptions o;
+  o.context = 160;
+  o.threads = 1;
+  auto run = [&](const EngineOptions& eo) {
+    Engine e(*model_, eo);
+    const std::vector<int32_t> prompt = repeating_prompt(21, 40);
+    const Result first = drain(*e.submit(request(prompt, 50)));
+    std::vector<int32_t> turn = prompt;
+    turn.insert(turn.end(), first.tokens.begin(), first.tokens.end());
+    turn.push_back(3);
+    auto s = e.submit(request(turn, 20));
+    const Result second = drain(*s);
+    return std::make_tuple(first.tokens, second.tokens, s->cached_tokens());
+  };
+  const auto [a1, a2, a_cached] = run(o);
+  const auto [b1, b2, b_cached] = run(speculative(o));
+  EXPECT_EQ(b1, a1);
+  EXPECT_EQ(b2, a2);
+  EXPECT_EQ(a_cached, 64);  // 21 + 50 + 1 = 72 positions: 4 full blocks of the first request's
+  EXPECT_EQ(b_cached, a_cached);
 }
 
 }  // namespace

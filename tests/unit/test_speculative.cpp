@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "apps/reply.h"
@@ -79,6 +80,55 @@ TEST(Speculative, GreedyCheckIsTheArgmax) {
   Sampler p({.repetition_penalty = 10.0f});
   const std::vector<int32_t> seen = {1};
   EXPECT_EQ(p.verify(logits, seen, 0, 3).token, p.sample(logits, seen, 0));
+}
+
+// The acceptance check shared by replies and the engine (greedy here): drafts are taken while
+// they are the argmax, the first that is not is replaced by it; a taker that ends the sequence
+// stops the check, an accepted draft it takes counted, an end token it does not take not.
+TEST(Speculative, CheckDraftsStopsAtTheFirstRejection) {
+  // Rows of 4 logits: the argmax of row j is best[j].
+  const std::vector<int32_t> best = {2, 0, 3, 1, 2};
+  std::vector<float> rows;
+  for (int32_t b : best)
+    for (int32_t t = 0; t < 4; ++t) rows.push_back(t == b ? 1.0f : 0.0f);
+  auto row = [&](size_t j) { return std::span<const float>(rows.data() + 4 * j, 4); };
+  auto run = [&](std::vector<int32_t> draft, size_t end_at, Taken end) {
+    Sampler s({});
+    std::vector<int32_t> history = {9};
+    std::vector<size_t> rows_seen;
+    const DraftCheck c = check_drafts(s, draft, row, history, 1, [&](const Sampler::Verdict& v, size_t j) {
+      rows_seen.push_back(j);
+      if (j == end_at) return end;
+      history.push_back(v.token);
+      return Taken::More;
+    });
+    return std::make_tuple(c, std::vector<int32_t>(history.begin() + 1, history.end()), rows_seen);
+  };
+  {
+    const auto [c, taken, seen] = run({2, 0, 1, 1}, 99, Taken::More);  // the third is rejected
+    EXPECT_EQ(c.accepted, 2u);
+    EXPECT_TRUE(c.rejected);
+    EXPECT_FALSE(c.ended);
+    EXPECT_EQ(taken, (std::vector<int32_t>{2, 0, 3}));
+    EXPECT_EQ(seen, (std::vector<size_t>{0, 1, 2}));
+  }
+  {
+    const auto [c, taken, seen] = run({2, 0, 3}, 99, Taken::More);  // all accepted: the rest is the caller's
+    EXPECT_EQ(c.accepted, 3u);
+    EXPECT_FALSE(c.rejected || c.ended);
+    EXPECT_EQ(taken, (std::vector<int32_t>{2, 0, 3}));
+  }
+  {
+    const auto [c, taken, seen] = run({2, 0, 3, 1}, 1, Taken::Last);  // a stop on the second
+    EXPECT_EQ(c.accepted, 2u);
+    EXPECT_TRUE(c.ended);
+    EXPECT_EQ(seen, (std::vector<size_t>{0, 1}));
+  }
+  {
+    const auto [c, taken, seen] = run({2, 0, 3, 1}, 1, Taken::Nothing);  // an end token second: not taken
+    EXPECT_EQ(c.accepted, 1u);
+    EXPECT_TRUE(c.ended);
+  }
 }
 
 // Checking a fixed draft and taking the verdict's token, many times: the tokens' frequencies are

@@ -42,6 +42,8 @@ class GpuSlots final : public SequenceSlots {
   bool prefix_cache() const override { return tables_.ids().prefix_cache(); }
   PrefixCacheStats prefix_stats() const override { return tables_.ids().stats(); }
   void run(std::span<const Job> jobs) override;
+  // Verification (every row's logits, rewind) is not wired on the GPU yet: no speculation.
+  bool can_verify() const override { return false; }
   std::string describe() const override;
 
   int64_t kv_positions() const { return tables_.blocks() * KvBlockPool::kBlock; }  // the engine's kv_tokens
