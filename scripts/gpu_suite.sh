@@ -122,6 +122,14 @@ if "$BUILD/src/kestrel" serve --help >/dev/null 2>&1; then
       tee -a "$OUT/cli.txt"
     [ $rc -ne 0 ] && tests_rc=$rc
   done
+  set +e  # prompt-lookup speculation: checks through the prefill decoder, rewinds, 48 clients at once
+  python3 tests/server/concurrent_equals_serial.py "$BUILD/src/kestrel" "$sdir/moe" --streams 48 --requests 96 --max-tokens 32 \
+    -- --device cuda --speculative ngram >"$OUT/serve_moe_speculative.log" 2>&1
+  rc=$?
+  set -e
+  echo "cli: kestrel serve --device cuda --speculative ngram on the MoE fixture, 48 concurrent clients against one at a time: exit $rc ($(tail -1 "$OUT/serve_moe_speculative.log"))" |
+    tee -a "$OUT/cli.txt"
+  [ $rc -ne 0 ] && tests_rc=$rc
   "$BUILD/src/kestrel" serve --model "$sdir/moe" --device cuda --port 0 2>"$OUT/serve_loadgen.log" &
   spid=$!
   for _ in $(seq 100); do grep -q "on http://" "$OUT/serve_loadgen.log" && break; sleep 0.2; done
@@ -191,7 +199,7 @@ bench() {  # name, then kestrel bench arguments
 }
 if [ -z "${SKIP_BENCH:-}" ]; then
   bench qwen3-30b-a3b --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,2,3,4,8,16,32,64 --context 1024 --steps 50 --ops \
-    --plot "$OUT/ops_qwen3-30b-a3b.svg" --prefill 512,4096
+    --plot "$OUT/ops_qwen3-30b-a3b.svg" --prefill 512,4096 --speculative 4
   # Long contexts (8k), and a cache sized as a server sizes it (32k) holding 1k-position sequences.
   bench qwen3-30b-a3b-ctx8k --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8,32 --context 8192 --steps 30
   # The float32 KV cache (the CPU's) against the default BF16 one.
@@ -247,7 +255,8 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   # difference gives one MoE layer's time and floor, extrapolated to the full depth below.
   for m in glm-5 deepseek-v3; do
     for n in 5 9; do
-      bench "$m-l$n" --config "configs/$m-nvfp4.json" --random-weights --layers "$n" --batch 1,8 --context 1024 --steps 30
+      bench "$m-l$n" --config "configs/$m-nvfp4.json" --random-weights --layers "$n" --batch 1,8 --context 1024 --steps 30 \
+        --speculative 4
     done
   done
   bench glm-5-l5-cap32k --config configs/glm-5-nvfp4.json --random-weights --layers 5 --batch 1,8 --context 1024 \

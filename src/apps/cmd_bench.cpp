@@ -47,6 +47,7 @@ struct Options {
   int chunk = cuda::Session::kDefaultChunk;
   std::string kv_dtype = "auto";
   bool persistent = false;  // also time the persistent step (1 to 8 sequences)
+  int speculative = 0;      // also time checks of 2 .. this + 1 tokens against one token's step
 };
 
 struct OpRow {
@@ -255,6 +256,42 @@ nlohmann::json bench_prefill(const cuda::DeviceModel& dm, const std::vector<int>
   return out;
 }
 
+// A speculative check at the context: one sequence through a Session (what generate, chat and a
+// server's check run) with `context` positions cached, then 1 to max_drafts + 1 tokens in one
+// call with every row's logits copied back, rewound after each call (as a check that accepts
+// nothing). Host time per call, median of `steps` after two calls that capture the graphs; the
+// one-token call is the plain step a check replaces.
+nlohmann::json bench_speculative(const cuda::DeviceModel& dm, int64_t context, int max_drafts, cuda::KvType kv,
+                                 int steps) {
+  const ModelConfig& c = dm.config();
+  const int rows_most = max_drafts + 1;
+  cuda::Session session(dm, int(context) + rows_most, cuda::Session::kDefaultChunk, kv);
+  std::vector<int32_t> tok(size_t(context) + size_t(rows_most));
+  for (size_t i = 0; i < tok.size(); ++i) tok[i] = int32_t((int64_t(i) * 7919 + 13) % c.vocab_size);
+  std::vector<float> logits(size_t(rows_most) * size_t(c.vocab_size));
+  session.run({tok.data(), size_t(context)}, logits.data(), false);
+  std::printf("speculative checks (one sequence at context %lld, every row's logits copied back)\n", (long long)context);
+  std::printf("%8s %10s %12s %14s\n", "tokens", "ms", "x one token", "ms per token");
+  nlohmann::json out = nlohmann::json::array();
+  double one = 0;
+  for (int r = 1; r <= rows_most; ++r) {
+    std::vector<double> ms;
+    for (int i = 0; i < steps + 2; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      session.run({tok.data() + context, size_t(r)}, logits.data(), true);
+      const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      session.rewind(int(context));
+      if (i >= 2) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    const double med = ms[ms.size() / 2];
+    if (r == 1) one = med;
+    std::printf("%8d %10.3f %12.2f %14.3f\n", r, med, med / one, med / r);
+    out.push_back({{"tokens", r}, {"ms", med}, {"x_one_token", med / one}});
+  }
+  return out;
+}
+
 
 int run_bench(const Options* o);
 
@@ -273,6 +310,9 @@ void add_common(CLI::App& app, Options* o) {
   add_layout_options(app, o->layout);
   app.add_option("--prefill", o->prefill, "Also time the prefill of one prompt of each of these lengths (e.g. 512,4096)");
   app.add_option("--chunk", o->chunk, "Positions per prefill step (default 64)");
+  app.add_option("--speculative", o->speculative,
+                 "Also time a speculative check of 2 .. K + 1 tokens at the context against one token's step "
+                 "(K 1..16)");
   add_kv_dtype_option(app, o->kv_dtype);
   app.add_option("--layers", o->layers,
                  "With --random-weights: only the first N layers (a slice of a model larger than the GPU)");
@@ -451,12 +491,15 @@ int run_bench(const Options* o) {
     if (o->layers && !o->random_weights) fail("--layers: only with --random-weights");
     const std::vector<int> batches = parse_list(o->batches, "--batch", 256);
     const std::vector<int> prefill = o->prefill.empty() ? std::vector<int>{} : parse_list(o->prefill, "--prefill", 1 << 20);
+    if (o->speculative < 0 || o->speculative > 16) fail("--speculative: expected 1..16 drafted tokens, got ", o->speculative);
+    if (o->speculative && o->context < 1) fail("--speculative: needs a --context of at least 1 position");
     check_kv_dtype_option(o->kv_dtype);
     if (o->chunk < 1 || o->chunk > 256) fail("--chunk: ", o->chunk, " is outside 1..256");
     if (o->context < 0 || o->context > (1 << 24)) fail("--context: ", o->context, " is outside 0..", 1 << 24);
     if (o->capacity < 0 || o->capacity > (1 << 24)) fail("--capacity: ", o->capacity, " is outside 0..", 1 << 24);
     if (o->layout.split()) {
       if (!prefill.empty()) fail("--prefill: not measured on a split model yet (drop --tp/--ep)");
+      if (o->speculative) fail("--speculative: not measured on a split model yet (drop --tp/--ep)");
       return run_split_bench(o, batches);
     }
     std::unique_ptr<Model> host;
@@ -603,8 +646,13 @@ int run_bench(const Options* o) {
       KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
       pre = bench_prefill(*dm, prefill, o->chunk, dec.kv_type(), bw);
     }
+    nlohmann::json spec = nlohmann::json::array();
+    if (o->speculative > 0) {
+      KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
+      spec = bench_speculative(*dm, o->context, o->speculative, dec.kv_type(), std::max(5, std::min(o->steps, 50)));
+    }
     if (!o->json.empty()) {
-      results = {{"steps", results}, {"ops", ops}, {"prefill", pre}};
+      results = {{"steps", results}, {"ops", ops}, {"prefill", pre}, {"speculative", spec}};
       FILE* f = std::fopen(o->json.c_str(), "w");
       if (!f) fail(o->json, ": cannot open for writing");
       std::fputs(results.dump(2).c_str(), f);

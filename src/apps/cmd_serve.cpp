@@ -177,11 +177,6 @@ Run add_serve(CLI::App& app) {
     check_kv_dtype_option(o->kv_dtype);
     check_speculation_options(o->speculation);
     const bool speculating = o->speculation.method != "none";
-    // Checked before the model loads; --device auto refuses it too where it picks the GPU.
-    const std::string no_gpu_speculation =
-        cat("--speculative ", o->speculation.method,
-            ": not on the GPU yet (its slots cannot verify drafted tokens); serve with --device cpu");
-    if (speculating && o->device == "cuda") fail(no_gpu_speculation);
     if (speculating && !o->test_scripted_reply.empty())
       fail("--test-scripted-reply: not with --speculative (scripted replies are the backend's draws, which a check "
            "does not offer)");
@@ -241,7 +236,6 @@ Run add_serve(CLI::App& app) {
     std::unique_ptr<cuda::GpuModel> gpus;
     if (o->random_weights && !gpu_present()) fail("--random-weights: no CUDA GPU is visible (the weights are made on it)");
     if (o->device == "cuda" || (o->device == "auto" && gpu_present())) {
-      if (speculating) fail(no_gpu_speculation);
       const cuda::KvType kv = kv_type_for(model->config, o->kv_dtype);  // a refused --kv-dtype is the user's error
       // --kv-memory was counted in float32 positions: a BF16 pool holds twice as many.
       const int64_t kv_gpu = o->kv_memory.empty() ? kv_given : kv_given * 4 / int64_t(cuda::kv_type_bytes(kv));

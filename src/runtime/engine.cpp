@@ -115,7 +115,7 @@ Engine::Engine(const Model& model, const EngineOptions& o, std::unique_ptr<Seque
     fail("--max-batch ", o_.max_batch, ": ", slots_->describe(), " runs at most ", slots_->slots(), " sequences at once");
   if (speculating() && !slots_->can_verify())
     fail("--speculative ", o_.speculation.method, ": ", slots_->describe(),
-         " cannot verify drafted tokens (speculation runs on the CPU backend only)");
+         " cannot verify drafted tokens");
   thread_ = std::thread([this] { loop(); });
 }
 

@@ -60,7 +60,7 @@ class SequenceSlots {
     bool all_logits = false;
   };
   virtual void run(std::span<const Job> jobs) = 0;
-  // Whether jobs may ask for all_logits and slots be rewound (the CPU slots; not the GPU's yet).
+  // Whether jobs may ask for all_logits and slots be rewound (the CPU and the GPU slots).
   virtual bool can_verify() const { return false; }
   // Drops the slot's positions from `position` on (at least the length it had before its last
   // job), giving back the blocks no longer needed, then publishes the full blocks a verification

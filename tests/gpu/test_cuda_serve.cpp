@@ -11,7 +11,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <thread>
 
 #include "../unit/fixture.h"
 #include "backend/cpu/forward.h"
@@ -204,6 +206,80 @@ TEST(CudaServe, Bf16CacheGivesEachSequenceItsOwnTokens) {
       alone.run({&want.back(), 1}, logits.data());
     }
     EXPECT_EQ(got[q], want) << "request " << q;
+  }
+}
+
+// Prompt-lookup speculation on the GPU (a check's rows through the prefill decoder, every row's
+// logits, then a rewind): greedy requests whose prompts repeat, alone and four at once, give the
+// CPU engine's plain tokens, drafts are accepted (else nothing here checks a kept draft), the
+// GPU makes the CPU's speculating engine's checks, and no KV block stays held after the replies.
+TEST(CudaServe, SpeculationGivesTheCpuEnginesGreedyTokens) {
+  auto model = load_model(test::fixture_dir("qwen3moe-nvfp4"));
+  EngineOptions o;
+  o.max_batch = 4;
+  o.context = 160;
+  o.threads = 2;
+  std::vector<GenerationRequest> rs;
+  for (int i = 0; i < 6; ++i) {
+    GenerationRequest r;
+    for (int t = 0; t < 18 + 5 * i; ++t) r.prompt.push_back(int32_t(40 + i + (t * 7) % 5));
+    r.max_tokens = 40 + 13 * i;
+    r.ignore_eos = true;
+    rs.push_back(r);
+  }
+  auto run = [&](Engine& e, bool together) {
+    std::vector<std::vector<int32_t>> out;
+    std::vector<std::shared_ptr<RequestStream>> streams;
+    for (const auto& r : rs) {
+      streams.push_back(e.submit(r));
+      if (!together) {
+        Finish f = Finish::None;
+        out.push_back(drain(*streams.back(), &f));
+        EXPECT_EQ(f, Finish::Length);
+      }
+    }
+    if (together)
+      for (auto& st : streams) {
+        Finish f = Finish::None;
+        out.push_back(drain(*st, &f));
+        EXPECT_EQ(f, Finish::Length);
+      }
+    return out;
+  };
+  std::vector<std::vector<int32_t>> want;
+  {
+    Engine cpu(*model, o);
+    want = run(cpu, false);
+  }
+  EngineOptions so = o;
+  so.speculation.method = "ngram";
+  so.speculation.draft_tokens = 4;
+  SpeculationStats cpu_checks;
+  {
+    Engine cpu(*model, so);
+    EXPECT_EQ(run(cpu, false), want);
+    cpu_checks = cpu.stats().speculation;
+  }
+  ASSERT_GT(cpu_checks.accepted, 0) << "the fixture's outputs never repeat: nothing here checks a kept draft";
+  cuda::GpuModel on_gpu(*model, Layout{1, 1});
+  for (bool together : {false, true}) {
+    SCOPED_TRACE(together ? "together" : "alone");
+    auto slots = std::make_unique<cuda::GpuSlots>(on_gpu, so.max_batch, int(so.context), 0, cuda::KvType::F32);
+    cuda::GpuSlots* backend = slots.get();
+    EngineOptions go = so;
+    go.kv_tokens = slots->kv_positions();
+    Engine gpu(*model, go, std::move(slots));
+    EXPECT_EQ(run(gpu, together), want);
+    const EngineStats st = gpu.stats();
+    EXPECT_TRUE(st.speculating);
+    // A sequence's drafts and checks follow from its own tokens alone, batched or not.
+    EXPECT_EQ(st.speculation.verifications, cpu_checks.verifications);
+    EXPECT_EQ(st.speculation.drafted, cpu_checks.drafted);
+    EXPECT_EQ(st.speculation.accepted, cpu_checks.accepted);
+    for (int i = 0; i < 100 && gpu.stats().running > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    EXPECT_EQ(gpu.stats().kv_used, 0);
+    EXPECT_EQ(backend->kv_blocks_held(), 0) << "a finished sequence kept KV blocks";
+    gpu.shutdown(1.0);
   }
 }
 

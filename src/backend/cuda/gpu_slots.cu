@@ -161,9 +161,11 @@ void GpuSlots::run(std::span<const Job> jobs) {
         KESTREL_CUDA_CHECK(
             cudaMemcpyAsync(p.sample_params() + (n - 1), &pp, sizeof(SampleParams), cudaMemcpyHostToDevice, s));
       }
-      p.step_graph(n, false, s, Decoder::Logits::Last, draw);
+      p.step_graph(n, false, s, j->all_logits ? Decoder::Logits::All : Decoder::Logits::Last, draw);
       if (draw)
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(drawn_prefill + j->slot, p.next() + (n - 1), 4, cudaMemcpyDeviceToHost, s));
+      else if (r == 0 && j->all_logits)  // a verification: every row (pageable: done when the call returns)
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(j->logits, p.logits(), size_t(n) * V * 4, cudaMemcpyDeviceToHost, s));
       else if (r == 0 && j->logits)
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits_ + size_t(j->slot) * V, p.logits() + size_t(n - 1) * V, V * 4,
                                            cudaMemcpyDeviceToHost, s));
@@ -189,10 +191,23 @@ void GpuSlots::run(std::span<const Job> jobs) {
   tables_.clear_changed();  // only once every rank has them (a failed run sends them again)
   for (const Job& j : jobs) {
     pos_[size_t(j.slot)] += int32_t(j.tokens.size());
-    chains_[size_t(j.slot)].wrote(j.tokens, tables_.row(j.slot), tables_.ids());
+    // A verification's blocks are published by the rewind that follows it.
+    chains_[size_t(j.slot)].wrote(j.tokens, tables_.row(j.slot), tables_.ids(), !j.all_logits);
     if (on_gpu(j)) *j.sample->token = (j.tokens.size() == 1 ? drawn_decode : drawn_prefill)[j.slot];
-    else if (j.logits) std::memcpy(j.logits, logits_ + size_t(j.slot) * V, V * 4);
+    else if (j.logits && !(j.all_logits && j.tokens.size() > 1)) std::memcpy(j.logits, logits_ + size_t(j.slot) * V, V * 4);
   }
+}
+
+void GpuSlots::rewind(int slot, int64_t position) {
+  if (slot < 0 || slot >= slots() || !tables_.is_open(slot)) fail("internal: slot ", slot, " is not open");
+  if (position < 0 || position > pos_[size_t(slot)])
+    fail("internal: slot ", slot, " rewound to ", position, " of its ", pos_[size_t(slot)], " positions");
+  // The rows after `position` stay in the cache until later tokens overwrite them; nothing reads
+  // past a sequence's position.
+  pos_[size_t(slot)] = int32_t(position);
+  PrefixChain& chain = chains_[size_t(slot)];
+  chain.rewind(size_t(position));
+  chain.publish(tables_.row(slot), tables_.ids());
 }
 
 }  // namespace kestrel::cuda

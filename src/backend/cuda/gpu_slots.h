@@ -3,7 +3,8 @@
 // when split), and up to 64 prompt tokens for every slot that prefills (one one-sequence decoder
 // per GPU, working in the slot's blocks). A job that offers to sample with options the GPU can
 // apply (no penalties) gets its token drawn inside the graph (sample.h) and copied back (4
-// bytes); the others get their logits copied back for the host's samplers.
+// bytes); the others get their logits copied back for the host's samplers, and a verification
+// (speculative decoding) every row's.
 // The KV cache is one pool of blocks of 16 positions per GPU that the slots share: a sequence
 // holds the blocks of the positions it reserved (kv_block_tables.h), not a whole context.
 #pragma once
@@ -42,8 +43,12 @@ class GpuSlots final : public SequenceSlots {
   bool prefix_cache() const override { return tables_.ids().prefix_cache(); }
   PrefixCacheStats prefix_stats() const override { return tables_.ids().stats(); }
   void run(std::span<const Job> jobs) override;
-  // Verification (every row's logits, rewind) is not wired on the GPU yet: no speculation.
-  bool can_verify() const override { return false; }
+  // A verification (2 to 64 tokens) runs as a prefill step whose every row's logits come back;
+  // rewind() moves the slot's next position back (its blocks stay reserved to the end of the
+  // request, so none is given back) and publishes the full blocks the check kept.
+  bool can_verify() const override { return true; }
+  void rewind(int slot, int64_t position) override;
+  int64_t kv_blocks_held() const override { return tables_.ids().held(); }
   std::string describe() const override;
 
   int64_t kv_positions() const { return tables_.blocks() * KvBlockPool::kBlock; }  // the engine's kv_tokens
