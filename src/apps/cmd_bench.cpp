@@ -2,6 +2,8 @@
 // floor (bytes the step must read / measured memory bandwidth).
 #include <algorithm>
 #include <chrono>
+#include <functional>
+#include <map>
 #include <cstdio>
 #include <memory>
 #include <sstream>
@@ -17,6 +19,7 @@
 #include "backend/cuda/graph_profile.h"
 #include "backend/cuda/op_timer.h"
 #include "backend/cuda/persistent/persistent_step.h"
+#include "backend/cuda/stages/stage_step.h"
 #include "backend/cuda/rank_group.h"
 #include "backend/cuda/read_chain.h"
 #include "backend/cuda/session.h"
@@ -47,6 +50,7 @@ struct Options {
   int chunk = cuda::Session::kDefaultChunk;
   std::string kv_dtype = "auto";
   bool persistent = false;  // also time the persistent step (1 to 8 sequences)
+  bool stages = false;      // also time the stage step (1 to 8 sequences)
   int speculative = 0;      // also time checks of 2 .. this + 1 tokens against one token's step
 };
 
@@ -105,6 +109,78 @@ std::vector<BarRow> print_graph_ops(cuda::Decoder& dec, const ModelConfig& c, in
   out.push_back({{"op", "between_ops"}, {"batch", B}, {"us", between}, {"step_us", p.step_ms * 1e3}});
   bars.push_back({"between ops", between, 0.0});
   return bars;
+}
+
+// The stage step at `context` (it does not advance the positions), from one graph: its time
+// against the floor, then each kind of stage's time per step (every block's run and whole time,
+// averaged over the blocks, from one traced step) against the bytes it must read.
+nlohmann::json bench_stages(const cuda::DeviceModel& dm, cuda::Decoder& dec, int B, int64_t context, int steps,
+                            double bw, double floor_ms, const std::function<void()>& reset, cudaStream_t s) {
+  const ModelConfig& c = dm.config();
+  cuda::StageStep st(dm, dec, B);
+  reset();
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  KESTREL_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  st.run(s);
+  KESTREL_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  KESTREL_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  for (int i = 0; i < 3; ++i) KESTREL_CUDA_CHECK(cudaGraphLaunch(exec, s));
+  cudaEventRecord(e0, s);
+  for (int i = 0; i < steps; ++i) KESTREL_CUDA_CHECK(cudaGraphLaunch(exec, s));
+  cudaEventRecord(e1, s);
+  KESTREL_CUDA_CHECK(cudaEventSynchronize(e1));
+  st.check();
+  float ms = 0;
+  cudaEventElapsedTime(&ms, e0, e1);
+  const double sm = double(ms) / steps;
+  std::printf("%6s stage step: %.3f ms (%.2f x floor, %d blocks, %d barriers)\n", "", sm, sm / floor_ms, st.blocks(),
+              st.barriers());
+  // Bytes each kind of stage reads per step.
+  const DecodeCost cost = decode_cost(c, B, context, kv_value_bytes(dec));
+  const double share = c.num_experts > 0 ? cost.expected_experts / double(c.num_experts) : 0.0;
+  std::map<cuda::Stage, double> bytes;
+  for (const cuda::DLayer& L : dm.layers()) {
+    bytes[cuda::Stage::Qkv] += double(L.q.bytes() + L.k.bytes() + L.v.bytes());
+    bytes[cuda::Stage::O] += double(L.o.bytes());
+    if (L.is_moe) {
+      const cuda::DMoe& m = L.moe;
+      bytes[cuda::Stage::Router] += double(m.router.w.bytes());
+      const double ex = double(m.expert_gate.bytes()) * double(c.num_experts) * share;  // gate, up, down alike
+      bytes[cuda::Stage::ExpertGateUp] += 2 * ex + (m.has_shared ? double(m.shared_gate.bytes() + m.shared_up.bytes()) : 0);
+      bytes[cuda::Stage::ExpertDown] += ex + (m.has_shared ? double(m.shared_down.bytes()) : 0);
+    } else {
+      bytes[cuda::Stage::MlpGateUp] += double(L.gate.bytes() + L.up.bytes());
+      bytes[cuda::Stage::MlpDown] += double(L.down.bytes());
+    }
+  }
+  bytes[cuda::Stage::Attention] = cost.kv_cache;
+  bytes[cuda::Stage::Head] = double(dm.lm_head().bytes());
+  int khz = 0, dev = 0;
+  KESTREL_CUDA_CHECK(cudaGetDevice(&dev));
+  KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev));
+  const double per_ms = double(khz);  // cycles of one SM in a millisecond
+  std::printf("%6s %-17s %6s %9s %9s %9s %8s %9s\n", "", "stage", "count", "run ms", "stage ms", "MB", "floor ms",
+              "x floor");
+  nlohmann::json stages = nlohmann::json::array();
+  for (const auto& t : st.trace(s)) {
+    const double mb = bytes.count(t.stage) ? bytes[t.stage] / 1e6 : 0.0, fl = mb * 1e6 / bw * 1e3;
+    const double wall = t.wall_cycles / per_ms;
+    std::printf("%6s %-17s %6d %9.3f %9.3f %9.1f %8.3f", "", cuda::stage_name(t.stage), t.count, t.run_cycles / per_ms,
+                wall, mb, fl);
+    if (fl > 0) std::printf(" %9.2f\n", wall / fl);
+    else std::printf(" %9s\n", "-");
+    stages.push_back({{"stage", cuda::stage_name(t.stage)}, {"count", t.count}, {"run_ms", t.run_cycles / per_ms},
+                      {"stage_ms", wall}, {"bytes", mb * 1e6}});
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return {{"stage_ms", sm}, {"stages", stages}};
 }
 
 // Per-op times of `steps` plain-launch steps at batch B with an event after each op (a split
@@ -335,6 +411,9 @@ Run add_bench(CLI::App& app) {
   app.add_flag("--ops", o->ops, "Also time every op of the step and compare each with its floor");
   app.add_flag("--persistent", o->persistent,
                "Also time the persistent step (batches of 1 to 8; its first interpreter, plain ops)");
+  app.add_flag("--stages", o->stages,
+               "Also time the stage step (batches of 1 to 8: one launch, a grid barrier between stages) and each "
+               "stage against its floor");
   return [o]() { return run_bench(o.get()); };
 }
 
@@ -570,6 +649,11 @@ int run_bench(const Options* o) {
       results.push_back({{"batch", B}, {"context", o->context}, {"graph_ms", g}, {"no_graph_ms", ng},
                          {"floor_ms", floor_ms}, {"bytes_per_step", cost.total()}, {"bytes", parts},
                          {"bandwidth_gbs", bw / 1e9}, {"launches", dec.launches_per_step()}});
+      if (o->stages && B <= 8) {
+        nlohmann::json r = bench_stages(*dm, dec, B, o->context, o->steps, bw, floor_ms, reset, s);
+        results.back()["stage_ms"] = r["stage_ms"];
+        results.back()["stages"] = r["stages"];
+      }
       if (o->persistent && B <= 8) {
         // The persistent step at the same positions (it does not advance them), from one graph.
         StepPlanOptions po;

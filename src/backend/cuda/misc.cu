@@ -3,6 +3,7 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/dequant.cuh"
+#include "backend/cuda/embed_row.cuh"
 #include "backend/cuda/misc.h"
 
 namespace kestrel::cuda {
@@ -12,20 +13,7 @@ __global__ void embed_kernel(DLinear t, const int32_t* __restrict__ tokens, floa
   pdl_enter();
   const int b = blockIdx.x, row = tokens[b], H = t.in;
   float* o = x + size_t(b) * H;
-  for (int k = threadIdx.x; k < H; k += blockDim.x) {
-    float v;
-    switch (t.format) {
-      case DFormat::F32: v = reinterpret_cast<const float*>(t.data)[size_t(row) * H + k]; break;
-      case DFormat::F16: v = __half2float(reinterpret_cast<const __half*>(t.data)[size_t(row) * H + k]); break;
-      case DFormat::BF16: v = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(t.data)[size_t(row) * H + k]); break;
-      default: {
-        const uint8_t byte = t.data[size_t(row) * (H / 2) + k / 2];
-        const float2 w = e2m1x2_scaled(byte);
-        v = (k & 1 ? w.y : w.x) * kE2M1Unscale * e4m3_to_float(t.scales[size_t(row) * (H / 16) + k / 16]) * t.scale2;
-      }
-    }
-    o[k] = v;
-  }
+  for (int k = threadIdx.x; k < H; k += blockDim.x) o[k] = embed_value(t, row, k);
 }
 
 constexpr int kArgmaxBlocks = 128, kArgmaxThreads = 256, kArgmaxUnroll = 4;

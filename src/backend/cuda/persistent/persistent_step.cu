@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/device_buffers.h"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/persistent/counters.cuh"
 #include "backend/cuda/persistent/op_attention.cuh"
@@ -192,24 +193,6 @@ __global__ void __launch_bounds__(kPersistentThreads, 1) persistent_step_kernel(
       *P.epoch = round;
     }
   }
-}
-
-template <class T>
-T* device_copy(const std::vector<T>& v, std::vector<void*>& owned) {
-  void* p = nullptr;
-  KESTREL_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(1, v.size() * sizeof(T))));
-  if (!v.empty()) KESTREL_CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  owned.push_back(p);
-  return static_cast<T*>(p);
-}
-
-template <class T>
-T* device_zeros(size_t n, std::vector<void*>& owned) {
-  void* p = nullptr;
-  KESTREL_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(1, n * sizeof(T))));
-  KESTREL_CUDA_CHECK(cudaMemset(p, 0, std::max<size_t>(1, n * sizeof(T))));
-  owned.push_back(p);
-  return static_cast<T*>(p);
 }
 
 }  // namespace

@@ -1,0 +1,321 @@
+// What a decode step built as one cooperative kernel of barrier-separated stages costs when every
+// stage does nothing but read its bytes: the structural floor of a "stage" persistent step (calm's
+// shape: every block takes an even share of each op, a grid barrier where an edge is all-to-all),
+// to set beside the launched step's read chains (docs/PERF.md v27: 340 kernels, 0.905 ms) before
+// any real op is written into it.
+//
+// The stages of one Qwen3-30B-A3B NVFP4 layer at one token (bytes from src/plan/decode_cost.cpp's
+// shapes): norm + q/k/v 5.90 MB, attention over 1024 BF16 positions 2.10 MB, the splits' combine
+// (nothing), o + residual 4.72 MB, norm + router 0.52 MB, route + the 8 experts' gate/up 14.16 MB,
+// down + residual 7.08 MB; 48 layers, then the LM head's 622 MB. The experts' addresses come from
+// a route read after the router's barrier (8 of 16 experts per layer, changing every step), so
+// nothing can fetch them earlier; down's are known from then on.
+//
+// Variants (every block's share of a stage contiguous, 16-byte loads, 8 in flight per thread):
+//   barriers   the barriers alone (no bytes)
+//   stream     the bytes alone, no barriers (the read loop's rate at this occupancy)
+//   read       each stage reads after its barrier
+//   l2         + each stage's share asked of the L2 (cp.async.bulk.prefetch.L2) as soon as its
+//              addresses are known: the fixed weights one stage ahead, down with the route
+//   smem       + instead copied into shared memory (cp.async.bulk, two slots), read from there
+// Usage: grid_stages_lab [threads] [steps]     (512 threads per block, one block per SM; 20 steps)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#define CHECK(x)                                                    \
+  do {                                                              \
+    cudaError_t e_ = (x);                                           \
+    if (e_ != cudaSuccess) {                                        \
+      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                 \
+    }                                                               \
+  } while (0)
+
+constexpr int kLayers = 48, kStages = 7, kPool = 16, kTopK = 8;
+constexpr uint32_t kSlotBytes = 110 * 1024;  // two slots of shared memory
+enum Kind { kFixed, kGateUp, kDown, kNone };
+enum Mode { kBarriers, kStream, kRead, kL2, kSmem };
+
+struct Stage {
+  const uint8_t* base;  // layer l's bytes at base + l * layer_stride
+  size_t bytes;         // read per layer (for routed stages: per expert x kTopK)
+  size_t layer_stride;
+  int kind;
+};
+struct Lab {
+  Stage st[kStages];
+  const uint8_t* head;
+  size_t head_bytes;
+  const int* route;     // [steps][layers][kTopK] expert of the pool
+  unsigned* counter;    // the barrier's, counts up across launches
+  unsigned long long* sink;
+  int mode, step;
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// A grid barrier that counts up forever: target = (barriers passed so far + 1) x blocks.
+__device__ __forceinline__ void grid_barrier(unsigned* c, unsigned target) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
+    unsigned v;
+    do asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
+    while (int(v - target) < 0);
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  }
+  __syncthreads();
+}
+
+// Block b's share [lo, hi) of n bytes, 16-byte aligned.
+__device__ __forceinline__ void share(size_t n, size_t& lo, size_t& hi) {
+  const size_t units = n / 16, per = (units + gridDim.x - 1) / gridDim.x;
+  lo = min(units, per * blockIdx.x) * 16, hi = min(units, per * (blockIdx.x + 1)) * 16;
+}
+
+// The pieces of a stage's share: one for fixed weights, up to two experts' for routed ones.
+struct Piece {
+  const uint8_t* p;
+  uint32_t n;
+};
+__device__ int pieces(const Lab& L, int s, int layer, const int* route, Piece out[2]) {
+  const Stage& S = L.st[s];
+  if (S.kind == kNone) return 0;
+  size_t lo, hi;
+  share(S.kind == kFixed ? S.bytes : S.bytes * kTopK, lo, hi);
+  if (lo >= hi) return 0;
+  if (S.kind == kFixed) {
+    out[0] = {S.base + size_t(layer) * S.layer_stride + lo, uint32_t(hi - lo)};
+    return 1;
+  }
+  int k = 0;
+  for (size_t at = lo; at < hi && k < 2;) {
+    const size_t e = at / S.bytes, end = min(hi, (e + 1) * S.bytes);
+    const int x = route[layer * kTopK + int(e)];
+    out[k++] = {S.base + size_t(layer) * S.layer_stride + size_t(x) * S.bytes + (at - e * S.bytes), uint32_t(end - at)};
+    at = end;
+  }
+  return k;
+}
+
+__device__ __forceinline__ uint4 read_global(const Piece* ps, int n) {
+  uint4 acc = make_uint4(0, 0, 0, 0);
+  for (int k = 0; k < n; ++k) {
+    const uint4* p = reinterpret_cast<const uint4*>(ps[k].p);
+    const int units = int(ps[k].n / 16);
+    int i = threadIdx.x;
+    for (; i + 7 * int(blockDim.x) < units; i += 8 * blockDim.x) {
+      uint4 v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = __ldcs(p + i + u * blockDim.x);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) acc.x ^= v[u].x, acc.y ^= v[u].y, acc.z ^= v[u].z, acc.w ^= v[u].w;
+    }
+    for (; i < units; i += blockDim.x) {
+      const uint4 v = __ldcs(p + i);
+      acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
+    }
+  }
+  return acc;
+}
+
+// Bulk copies of a stage's pieces into a slot, completing on its mbarrier (thread 0).
+__device__ bool copy_to_slot(const Piece* ps, int n, uint8_t* slot, uint64_t* bar) {
+  uint32_t total = 0;
+  for (int k = 0; k < n; ++k) total += ps[k].n;
+  if (total == 0 || total > kSlotBytes) return false;
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot was last read by plain loads
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(total) : "memory");
+  uint32_t off = 0;
+  for (int k = 0; k < n; ++k) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_addr(slot + off)),
+                 "l"(ps[k].p), "r"(ps[k].n), "r"(smem_addr(bar))
+                 : "memory");
+    off += ps[k].n;
+  }
+  return true;
+}
+
+__device__ __forceinline__ void wait_slot(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}" ::"r"(
+          smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+extern __shared__ __align__(128) uint8_t smem[];
+
+__global__ void stages_kernel(const Lab L) {
+  __shared__ uint64_t bars[2];
+  __shared__ int in_slot[2];
+  __shared__ uint32_t parity[2];
+  const int* route = L.route + size_t(L.step) * kLayers * kTopK;
+  const unsigned blocks = gridDim.x;
+  unsigned passed = unsigned(L.step) * (kLayers * kStages);  // barriers of earlier steps
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < 2; ++i) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[i])) : "memory");
+      in_slot[i] = -1, parity[i] = 0;
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  uint4 acc = make_uint4(0, 0, 0, 0);
+  const bool early = L.mode == kL2 || L.mode == kSmem;
+  // Asks for global stage g's bytes (layer g / kStages) by the chosen means, when known.
+  auto ask = [&](int g) {
+    if (threadIdx.x != 0 || g >= kLayers * kStages) return;
+    const int layer = g / kStages, s = g % kStages;
+    Piece ps[2];
+    const int n = pieces(L, s, layer, route, ps);
+    if (L.mode == kL2) {
+      for (int k = 0; k < n; ++k)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ps[k].p), "r"(ps[k].n) : "memory");
+    } else if (copy_to_slot(ps, n, smem + (g & 1) * kSlotBytes, &bars[g & 1])) {
+      in_slot[g & 1] = g;
+    }
+  };
+  if (early) ask(0);
+  for (int g = 0; g < kLayers * kStages; ++g) {
+    const int layer = g / kStages, s = g % kStages;
+    // The next stage's fixed weights before this one's wait; down's once the route is known (the
+    // gate/up stage has passed its wait).
+    if (early && g + 1 < kLayers * kStages && L.st[(g + 1) % kStages].kind == kFixed) ask(g + 1);
+    if (L.mode != kStream && g > 0) grid_barrier(L.counter, (passed += 1) * blocks);
+    if (early && L.st[s].kind == kGateUp) ask(g), ask(g + 1);
+    if (L.mode == kBarriers) continue;
+    if (L.mode == kSmem && in_slot[g & 1] == g) {
+      wait_slot(&bars[g & 1], parity[g & 1]);
+      const uint4* p = reinterpret_cast<const uint4*>(smem + (g & 1) * kSlotBytes);
+      Piece ps[2];
+      const int n = pieces(L, s, layer, route, ps);
+      uint32_t units = 0;
+      for (int k = 0; k < n; ++k) units += ps[k].n / 16;
+      for (uint32_t i = threadIdx.x; i < units; i += blockDim.x) {
+        const uint4 v = p[i];
+        acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) in_slot[g & 1] = -1, parity[g & 1] ^= 1;
+      __syncthreads();
+    } else {
+      Piece ps[2];
+      const int n = pieces(L, s, layer, route, ps);
+      const uint4 a = read_global(ps, n);
+      acc.x ^= a.x, acc.y ^= a.y, acc.z ^= a.z, acc.w ^= a.w;
+    }
+  }
+  if (L.mode != kBarriers) {
+    if (L.mode != kStream) grid_barrier(L.counter, (passed += 1) * blocks);
+    size_t lo, hi;
+    share(L.head_bytes, lo, hi);
+    const Piece hp{L.head + lo, uint32_t(hi - lo)};
+    const uint4 a = read_global(&hp, 1);
+    acc.x ^= a.x, acc.y ^= a.y, acc.z ^= a.z, acc.w ^= a.w;
+  } else {
+    grid_barrier(L.counter, (passed += 1) * blocks);
+  }
+  if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) atomicAdd(L.sink, 1ull);  // the loads live
+}
+
+int main(int argc, char** argv) {
+  const int threads = argc > 1 ? std::atoi(argv[1]) : 512;
+  const int steps = argc > 2 ? std::atoi(argv[2]) : 20;
+  int sms = 0, coop = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, 0));
+  if (!coop) return std::fprintf(stderr, "no cooperative launch\n"), 1;
+  const double MB = 1e6;
+  const size_t qkv = size_t(5120) * 2048 * 9 / 16, o = size_t(2048) * 4096 * 9 / 16, router = size_t(128) * 2048 * 2;
+  const size_t kv = size_t(1024) * 4 * 128 * 2 * 2, gate_up = size_t(2) * 768 * 2048 * 9 / 16,
+               down = size_t(2048) * 768 * 9 / 16, head = size_t(151936) * 2048 * 2;
+  const size_t sizes[kStages] = {qkv, kv, 0, o, router, gate_up * kPool, down * kPool};
+  const int kinds[kStages] = {kFixed, kFixed, kNone, kFixed, kFixed, kGateUp, kDown};
+  Lab L{};
+  size_t total = 0;
+  for (int s = 0; s < kStages; ++s) {
+    uint8_t* p = nullptr;
+    const size_t n = std::max<size_t>(sizes[s], 16) * kLayers;
+    CHECK(cudaMalloc(&p, n));
+    CHECK(cudaMemset(p, s + 1, n));
+    const size_t per = kinds[s] == kGateUp ? gate_up : kinds[s] == kDown ? down : sizes[s];
+    L.st[s] = {p, per, std::max<size_t>(sizes[s], 16), kinds[s]};
+    total += (kinds[s] == kFixed ? per : kinds[s] == kNone ? 0 : per * kTopK) * kLayers;
+  }
+  uint8_t* hp = nullptr;
+  CHECK(cudaMalloc(&hp, head));
+  CHECK(cudaMemset(hp, 9, head));
+  L.head = hp, L.head_bytes = head;
+  total += head;
+  // Routes: kTopK distinct experts of the pool per layer, fresh every step.
+  std::vector<int> routes(size_t(steps + 3) * kLayers * kTopK);
+  std::mt19937 rng(5);
+  for (size_t i = 0; i < routes.size() / kTopK; ++i) {
+    std::vector<int> e(kPool);
+    for (int k = 0; k < kPool; ++k) e[k] = k;
+    std::shuffle(e.begin(), e.end(), rng);
+    std::copy(e.begin(), e.begin() + kTopK, routes.begin() + i * kTopK);
+  }
+  int* d_route;
+  CHECK(cudaMalloc(&d_route, routes.size() * 4));
+  CHECK(cudaMemcpy(d_route, routes.data(), routes.size() * 4, cudaMemcpyHostToDevice));
+  L.route = d_route;
+  CHECK(cudaMalloc(&L.counter, 4));
+  CHECK(cudaMalloc(&L.sink, 8));
+  // The copy bandwidth the floor is taken at (read + write of 4 GiB).
+  const size_t cb = size_t(2) << 30;
+  void *ca, *cbuf;
+  CHECK(cudaMalloc(&ca, cb));
+  CHECK(cudaMalloc(&cbuf, cb));
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  CHECK(cudaMemcpy(cbuf, ca, cb, cudaMemcpyDeviceToDevice));
+  float ms = 0;
+  CHECK(cudaEventRecord(e0));
+  for (int i = 0; i < 5; ++i) CHECK(cudaMemcpyAsync(cbuf, ca, cb, cudaMemcpyDeviceToDevice));
+  CHECK(cudaEventRecord(e1));
+  CHECK(cudaEventSynchronize(e1));
+  CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  const double bw = 2.0 * cb * 5 / (ms * 1e-3);
+  CHECK(cudaFree(ca));
+  CHECK(cudaFree(cbuf));
+  const double floor_ms = total / bw * 1e3;
+  std::printf("%d SMs, %d threads per block; copy bandwidth %.2f TB/s; a step reads %.1f MB: floor %.3f ms\n", sms,
+              threads, bw / 1e12, total / MB, floor_ms);
+  std::printf("per layer: q/k/v %.2f, attention %.2f, o %.2f, router %.2f, gate/up %.2f, down %.2f MB; %d barriers\n",
+              qkv / MB, kv / MB, o / MB, router / MB, gate_up * kTopK / MB, down * kTopK / MB, kLayers * kStages);
+  CHECK(cudaFuncSetAttribute(stages_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(2 * kSlotBytes)));
+  const char* names[] = {"barriers", "stream", "read", "l2", "smem"};
+  for (int mode : {kBarriers, kStream, kRead, kL2, kSmem}) {
+    CHECK(cudaMemset(L.counter, 0, 4));
+    std::vector<float> t;
+    for (int step = 0; step < steps + 3; ++step) {
+      L.mode = mode, L.step = step;
+      void* args[] = {&L};
+      CHECK(cudaEventRecord(e0));
+      CHECK(cudaLaunchCooperativeKernel(stages_kernel, dim3(sms), dim3(threads), args, 2 * kSlotBytes, 0));
+      CHECK(cudaEventRecord(e1));
+      CHECK(cudaEventSynchronize(e1));
+      CHECK(cudaGetLastError());
+      CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (step >= 3) t.push_back(ms);
+    }
+    std::sort(t.begin(), t.end());
+    const double med = t[t.size() / 2];
+    const int barriers = mode == kStream ? 0 : kLayers * kStages;
+    std::printf("  %-9s %7.3f ms (x%.2f floor)%s", names[mode], med, med / floor_ms, "");
+    if (mode == kBarriers) std::printf("  %.2f us per barrier", med * 1e3 / barriers);
+    else std::printf("  %.2f TB/s", total / (med * 1e-3) / 1e12);
+    std::printf("\n");
+  }
+  return 0;
+}

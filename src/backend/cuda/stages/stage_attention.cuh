@@ -1,0 +1,208 @@
+// Attention in two stages. Split: item (token, KV head, split) takes a share of the token's
+// positions; its block normalizes (QK norm) and rotates the group's queries, and the block whose
+// share holds the new position also the new key, which it stores in the cache with the value and
+// attends to from shared memory. It scores kStageTile positions at a time (a warp per position,
+// its lanes over the head dimension), keeps an online softmax per head, and writes its max, sum
+// and weighted values. Combine: a warp per (token, head, 32 dimensions) merges the splits.
+#pragma once
+#include <cfloat>
+
+#include "backend/cuda/kv_paged.cuh"
+#include "backend/cuda/reduce.cuh"
+#include "backend/cuda/stages/stage_rows.cuh"
+
+namespace kestrel::cuda {
+
+// Shared memory of a split (floats): queries [G][hd], key, value, scores [G][tile], per head max,
+// sum and correction, the tile's cache offsets, the rotation's cosines and sines.
+inline int stage_attention_floats(int group, int hd) {
+  return group * hd + 2 * hd + group * kStageTile + 3 * group + 1 + 2 * kStageTile + hd;
+}
+
+// The vectors' QK norm (w may be null) by one warp per vector: v[i] rows of hd floats in place.
+__device__ __forceinline__ void qk_norm_rows(float* v, int n, int hd, const float* w, float eps) {
+  if (!w) return;
+  for (int h = stage_warp(); h < n; h += kStageWarps) {
+    float* row = v + h * hd;
+    float ss = 0.0f;
+    for (int d = stage_lane(); d < hd; d += 32) ss += row[d] * row[d];
+    const float inv = rsqrtf(warp_sum(ss) / float(hd) + eps);
+    for (int d = stage_lane(); d < hd; d += 32) row[d] = w[d] * (row[d] * inv);
+  }
+}
+
+template <int B, class T>
+__device__ void stage_attention_split(const SArgs& a, const DLayer& L, const KvLayer& kv, float* sm) {
+  const int hd = a.head_dim, nq = a.heads, nkv = a.kv_heads, G = nq / nkv, half = a.rope.rotary_dim / 2;
+  const int qkv_row = (nq + 2 * nkv) * hd, splits = a.splits;
+  float* s_q = sm;                    // [G][hd], then the key [hd] and the value [hd]
+  float* s_k = s_q + G * hd;
+  float* s_v = s_k + hd;
+  float* s_s = s_v + hd;              // [G][kStageTile]
+  float* s_m = s_s + G * kStageTile;  // [G] running max, sum, this tile's correction
+  float* s_l = s_m + G;
+  float* s_c = s_l + G;
+  size_t* s_off = reinterpret_cast<size_t*>(s_c + G + (G & 1));  // [kStageTile] (8-byte aligned: see floats)
+  float* s_cs = reinterpret_cast<float*>(s_off + kStageTile);    // [half] cosines, [half] sines
+  constexpr int kPer = kStageMaxHeadDim * 16 / kStageThreads;    // (head, dimension) pairs per thread
+  const int items = a.batch * nkv * splits;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int b = item / (nkv * splits), kvh = (item / splits) % nkv, split = item % splits;
+    const int pos = a.pos[b], len = pos + 1, chunk = (len + splits - 1) / splits;
+    const int begin = min(len, split * chunk), end = min(len, begin + chunk);
+    const bool has_new = begin <= pos && pos < end;
+    const float* src = a.qkv + size_t(b) * qkv_row;
+    // The queries (and the new key and value) into shared memory, normalized and rotated.
+    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) s_q[i] = src[kvh * G * hd + i];
+    if (has_new)
+      for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        s_k[d] = src[nq * hd + kvh * hd + d];
+        s_v[d] = src[(nq + nkv) * hd + kvh * hd + d];
+      }
+    for (int j = threadIdx.x; j < half; j += blockDim.x) {
+      const float f = float(pos) * a.rope.inv_freq[j];
+      s_cs[j] = cosf(f) * a.rope.scaling;
+      s_cs[half + j] = sinf(f) * a.rope.scaling;
+    }
+    if (threadIdx.x < G) s_m[threadIdx.x] = -FLT_MAX, s_l[threadIdx.x] = 0.0f;
+    __syncthreads();
+    qk_norm_rows(s_q, G, hd, L.q_norm, a.eps);
+    if (has_new) qk_norm_rows(s_k, 1, hd, L.k_norm, a.eps);
+    __syncthreads();
+    const int nv = G + (has_new ? 1 : 0);  // the key follows the queries
+    for (int t = threadIdx.x; t < nv * half; t += blockDim.x) {
+      const int h = t / half, j = t % half;
+      const int i0 = a.rope.interleaved ? 2 * j : j, i1 = a.rope.interleaved ? 2 * j + 1 : j + half;
+      float* row = s_q + h * hd;  // h == G: s_k
+      const float x0 = row[i0], x1 = row[i1], c = s_cs[j], s = s_cs[half + j];
+      row[i0] = x0 * c - x1 * s;
+      row[i1] = x1 * c + x0 * s;
+    }
+    __syncthreads();
+    if (has_new) {  // the cache keeps what later steps will read: attend to the same rounded values
+      const size_t at = kv_offset(kv, b, pos) + size_t(kvh) * hd;
+      for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        const T k = kv_value<T>(s_k[d]), v = kv_value<T>(s_v[d]);
+        kv_rows<T>(kv.k)[at + d] = k;
+        kv_rows<T>(kv.v)[at + d] = v;
+        s_k[d] = kv_float(k), s_v[d] = kv_float(v);
+      }
+    }
+    float acc[kPer];
+    #pragma unroll
+    for (int i = 0; i < kPer; ++i) acc[i] = 0.0f;
+    const T* kbase = kv_rows<T>(kv.k) + size_t(kvh) * hd;
+    const T* vbase = kv_rows<T>(kv.v) + size_t(kvh) * hd;
+    for (int t0 = begin; t0 < end; t0 += kStageTile) {
+      const int n = min(kStageTile, end - t0);
+      if (threadIdx.x < n) s_off[threadIdx.x] = t0 + int(threadIdx.x) == pos ? 0 : kv_offset(kv, b, t0 + threadIdx.x);
+      __syncthreads();  // s_off, and (first tile) the stored key
+      // Scores: a warp per position, its lanes over the dimensions, every query head at once.
+      for (int p = stage_warp(); p < kStageTile; p += kStageWarps) {
+        const bool live = p < n, fresh = live && t0 + p == pos;
+        float kr[kStageMaxHeadDim / 32];
+        #pragma unroll
+        for (int i = 0; i < kStageMaxHeadDim / 32; ++i) {
+          const int d = stage_lane() + 32 * i;
+          kr[i] = !live || d >= hd ? 0.0f : fresh ? s_k[d] : kv_load(kbase, s_off[p] + d, true);
+        }
+        for (int h = 0; h < G; ++h) {
+          float dot = 0.0f;
+          #pragma unroll
+          for (int i = 0; i < kStageMaxHeadDim / 32; ++i) {
+            const int d = stage_lane() + 32 * i;
+            if (d < hd) dot += s_q[h * hd + d] * kr[i];
+          }
+          dot = warp_sum(dot);
+          if (stage_lane() == 0) s_s[h * kStageTile + p] = live ? dot * a.scale : -FLT_MAX;
+        }
+      }
+      __syncthreads();
+      // The online softmax: a warp per head, a lane per position.
+      for (int h = stage_warp(); h < G; h += kStageWarps) {
+        const float v = s_s[h * kStageTile + stage_lane()];
+        float mt = v;
+        for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+        const float m_old = s_m[h], m_new = fmaxf(m_old, mt);
+        const float p = stage_lane() < n ? __expf(v - m_new) : 0.0f;
+        const float sum = warp_sum(p);
+        s_s[h * kStageTile + stage_lane()] = p;
+        __syncwarp();
+        if (stage_lane() == 0) {
+          const float c = __expf(m_old - m_new);
+          s_c[h] = c, s_m[h] = m_new, s_l[h] = s_l[h] * c + sum;
+        }
+      }
+      __syncthreads();
+      // Values: a thread per (head, dimension) pair.
+      #pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int e = threadIdx.x + i * kStageThreads;
+        if (e < G * hd) {
+          const int h = e / hd, d = e % hd;
+          float v = acc[i] * s_c[h];
+          for (int p = 0; p < n; ++p)
+            v += s_s[h * kStageTile + p] * (t0 + p == pos ? s_v[d] : kv_load(vbase, s_off[p] + d, true));
+          acc[i] = v;
+        }
+      }
+      __syncthreads();  // s_s and s_off are the next tile's
+    }
+    // This split's part of every query head of the group.
+    const size_t base = (size_t(b) * nq + size_t(kvh) * G) * splits + split;  // + h * splits
+    #pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = threadIdx.x + i * kStageThreads;
+      if (e < G * hd) {
+        const int h = e / hd, d = e % hd;
+        a.part[(base + size_t(h) * splits) * hd + d] = acc[i];
+      }
+    }
+    if (threadIdx.x < G) {
+      a.part_ml[(base + size_t(threadIdx.x) * splits) * 2] = s_m[threadIdx.x];
+      a.part_ml[(base + size_t(threadIdx.x) * splits) * 2 + 1] = s_l[threadIdx.x];
+    }
+    __syncthreads();  // shared memory is the next item's
+  }
+}
+
+// The splits merged: a warp per (token, head, 32 dimensions) over the grid.
+__device__ void stage_attention_combine(const SArgs& a) {
+  const int hd = a.head_dim, nq = a.heads, splits = a.splits, chunks = (hd + 31) / 32;
+  const int warps = int(gridDim.x) * kStageWarps, items = a.batch * nq * chunks;
+  constexpr int kRegs = kStageMaxSplits / 32;
+  for (int item = int(blockIdx.x) * kStageWarps + stage_warp(); item < items; item += warps) {
+    const int bh = item / chunks, d = (item % chunks) * 32 + stage_lane();
+    const float* ml = a.part_ml + size_t(bh) * splits * 2;
+    float m[kRegs], l[kRegs], mx = -FLT_MAX;
+    #pragma unroll
+    for (int r = 0; r < kRegs; ++r) {
+      const int s = r * 32 + stage_lane();
+      m[r] = s < splits ? ml[2 * s] : -FLT_MAX;
+      l[r] = s < splits ? ml[2 * s + 1] : 0.0f;
+      mx = fmaxf(mx, m[r]);
+    }
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float total = 0.0f;
+    #pragma unroll
+    for (int r = 0; r < kRegs; ++r) {
+      m[r] = l[r] > 0.0f ? __expf(m[r] - mx) : 0.0f;  // each split's share
+      total += l[r] * m[r];
+    }
+    total = warp_sum(total);
+    const float* pv = a.part + size_t(bh) * splits * hd;
+    float o = 0.0f;
+    #pragma unroll
+    for (int r = 0; r < kRegs; ++r) {
+      if (r * 32 >= splits) break;
+      const int n = min(32, splits - r * 32);
+      for (int k = 0; k < n; ++k) {
+        const float w = __shfl_sync(0xffffffffu, m[r], k);
+        if (d < hd) o += w * pv[size_t(r * 32 + k) * hd + d];
+      }
+    }
+    if (d < hd) a.att[size_t(bh) * hd + d] = o / total;
+  }
+}
+
+}  // namespace kestrel::cuda
