@@ -109,17 +109,17 @@ __device__ __forceinline__ uint4 read_global(const Piece* ps, int n) {
   for (int k = 0; k < n; ++k) {
     const uint4* p = reinterpret_cast<const uint4*>(ps[k].p);
     const int units = int(ps[k].n / 16);
-    int i = threadIdx.x;
-    for (; i + 7 * int(blockDim.x) < units; i += 8 * blockDim.x) {
+    // Eight loads in flight per thread, predicated: a small share (a few loads per thread) must
+    // not take one memory latency per load.
+    for (int i0 = threadIdx.x; i0 < units; i0 += 8 * blockDim.x) {
       uint4 v[8];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) v[u] = __ldcs(p + i + u * blockDim.x);
+      for (int u = 0; u < 8; ++u) {
+        const int i = i0 + u * int(blockDim.x);
+        v[u] = i < units ? __ldcs(p + i) : make_uint4(0, 0, 0, 0);
+      }
 #pragma unroll
       for (int u = 0; u < 8; ++u) acc.x ^= v[u].x, acc.y ^= v[u].y, acc.z ^= v[u].z, acc.w ^= v[u].w;
-    }
-    for (; i < units; i += blockDim.x) {
-      const uint4 v = __ldcs(p + i);
-      acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
     }
   }
   return acc;

@@ -23,6 +23,11 @@ namespace {
 
 constexpr double kVsCpu = 1e-4;       // the stage step vs the CPU's decode, per sequence
 constexpr double kVsLaunched = 1e-4;  // vs the launched step's logits
+// At real shapes the launched step multiplies on tensor cores (from 2 sequences on, and
+// GLM-4.5-Air's large q/k/v at one), accumulating in the MMA units' adders, where the stage step
+// does float32 FMAs on CUDA cores: three random layers differ by 1e-4 to 1.1e-3 (H100), while the
+// fixtures, whose shapes stay on CUDA cores, agree within 2e-6. An indexing error is O(1).
+constexpr double kRealVsLaunched = 3e-3;
 
 std::vector<float> copy_back(const float* d, size_t n) {
   std::vector<float> v(n);
@@ -130,7 +135,7 @@ TEST(CudaStagesRandom, RealShapesMatchTheLaunchedStep) {
         st.check();
         for (int b = 0; b < batch; ++b) {
           const double e = test::rel_l2(got.data() + b * V, launched.data() + b * V, V);
-          EXPECT_LE(e, kVsLaunched) << "step " << t << " sequence " << b;
+          EXPECT_LE(e, kRealVsLaunched) << "step " << t << " sequence " << b;
           worst = std::max(worst, e);
         }
       }
@@ -175,7 +180,8 @@ TEST(CudaStagesRandom, LongContextMatchesTheLaunchedStep) {
     const auto got = copy_back(st.logits(), size_t(batch * V));
     st.check();
     for (int b = 0; b < batch; ++b)
-      EXPECT_LE(test::rel_l2(got.data() + b * V, launched.data() + b * V, V), kVsLaunched) << "sequence " << b;
+      EXPECT_LE(test::rel_l2(got.data() + b * V, launched.data() + b * V, V), kRealVsLaunched)
+          << "sequence " << b;
   }
 }
 

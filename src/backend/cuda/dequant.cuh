@@ -99,6 +99,40 @@ __device__ __forceinline__ NvRows nv_rows(const DLinear& W, int row0) {
           W.out - 1 - row};
 }
 
+// One 32-weight group of M * R NVFP4 rows (c: 16 bytes of codes, sc: two E4M3 scales per row)
+// against B activation rows at x (x[b * ldx + 0..31]): acc[q][b] += the group's dot product. Each
+// x value is read once for all M * R rows.
+template <int M, int R, int B>
+__device__ __forceinline__ void nvfp4_group_fma(const NvRows (&mat)[M], const uint4 (&c)[M * R],
+                                                const uint32_t (&sc)[M * R], const float* x, int ldx,
+                                                float (&acc)[M * R][B]) {
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float xv[B][8];
+    #pragma unroll
+    for (int b = 0; b < B; ++b) {
+      const float4 a = *reinterpret_cast<const float4*>(x + size_t(b) * ldx + 8 * i);
+      const float4 d = *reinterpret_cast<const float4*>(x + size_t(b) * ldx + 8 * i + 4);
+      xv[b][0] = a.x, xv[b][1] = a.y, xv[b][2] = a.z, xv[b][3] = a.w;
+      xv[b][4] = d.x, xv[b][5] = d.y, xv[b][6] = d.z, xv[b][7] = d.w;
+    }
+    #pragma unroll
+    for (int q = 0; q < M * R; ++q) {
+      const uint32_t word = i == 0 ? c[q].x : i == 1 ? c[q].y : i == 2 ? c[q].z : c[q].w;
+      const float s = e4m3_to_float(uint8_t(sc[q] >> (8 * (i / 2)))) * mat[q / R].unscale;
+      float w[8];
+      e2m1x8_scaled(word, w);
+      #pragma unroll
+      for (int b = 0; b < B; ++b) {
+        float part = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) part = fmaf(w[j], xv[b][j], part);
+        acc[q][b] = fmaf(part, s, acc[q][b]);
+      }
+    }
+  }
+}
+
 // Partial dot products of M blocks of R NVFP4 rows of length K (M = 2: gate and up) with B
 // activation rows x[b * ldx ...]; acc[m * R + r][b] += partial, the caller reduces the warp. Lane
 // l takes the 32-weight groups first + l, first + l + step, ...: 16 bytes of codes per row and
@@ -131,31 +165,7 @@ __device__ __forceinline__ void nvfp4_rows_dot(const NvRows (&mat)[M], int K, co
           sc[m * R + r] = ld_w<Generic>(reinterpret_cast<const uint16_t*>(mat[m].scales + row * (K / 16)) + g);
         }
       }
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float xv[B][8];
-      #pragma unroll
-      for (int b = 0; b < B; ++b) {
-        const float4 a = *reinterpret_cast<const float4*>(x + size_t(b) * ldx + 32 * g + 8 * i);
-        const float4 d = *reinterpret_cast<const float4*>(x + size_t(b) * ldx + 32 * g + 8 * i + 4);
-        xv[b][0] = a.x, xv[b][1] = a.y, xv[b][2] = a.z, xv[b][3] = a.w;
-        xv[b][4] = d.x, xv[b][5] = d.y, xv[b][6] = d.z, xv[b][7] = d.w;
-      }
-      #pragma unroll
-      for (int q = 0; q < M * R; ++q) {
-        const uint32_t word = i == 0 ? c[q].x : i == 1 ? c[q].y : i == 2 ? c[q].z : c[q].w;
-        const float s = e4m3_to_float(uint8_t(sc[q] >> (8 * (i / 2)))) * mat[q / R].unscale;
-        float w[8];
-        e2m1x8_scaled(word, w);
-        #pragma unroll
-        for (int b = 0; b < B; ++b) {
-          float part = 0.0f;
-          #pragma unroll
-          for (int j = 0; j < 8; ++j) part = fmaf(w[j], xv[b][j], part);
-          acc[q][b] = fmaf(part, s, acc[q][b]);
-        }
-      }
-    }
+    nvfp4_group_fma<M, R, B>(mat, c, sc, x + 32 * g, ldx, acc);
   }
   // K % 32 == 16 (rows not 16-byte aligned): 16-weight blocks, 8 bytes of codes per load.
   #pragma unroll 1

@@ -52,7 +52,6 @@ struct SArgs {
   long long timeout_ns = 2000000000;
   // When set: per barrier-delimited stage and block, the SM clock at its start and its end.
   long long* trace = nullptr;
-  int prefetch = 1;                // weights into the L2 a stage ahead (open A/B: KESTREL_STAGE_PREFETCH=0)
   uint32_t xn_floats = 0;         // dynamic shared memory: the normalized rows [B, hidden], then scratch
 };
 

@@ -14,9 +14,10 @@
 namespace kestrel::cuda {
 
 // Shared memory of a split (floats): queries [G][hd], key, value, scores [G][tile], per head max,
-// sum and correction, the tile's cache offsets, the rotation's cosines and sines.
+// sum and correction, the tile's cache offsets, the rotation's cosines and sines, then the tile's
+// keys and values [tile][hd] each.
 inline int stage_attention_floats(int group, int hd) {
-  return group * hd + 2 * hd + group * kStageTile + 3 * group + 1 + 2 * kStageTile + hd;
+  return group * hd + 2 * hd + group * kStageTile + 3 * group + 1 + 2 * kStageTile + hd + 2 * kStageTile * hd;
 }
 
 // The vectors' QK norm (w may be null) by one warp per vector: v[i] rows of hd floats in place.
@@ -44,7 +45,10 @@ __device__ void stage_attention_split(const SArgs& a, const DLayer& L, const KvL
   float* s_c = s_l + G;
   size_t* s_off = reinterpret_cast<size_t*>(s_c + G + (G & 1));  // [kStageTile] (8-byte aligned: see floats)
   float* s_cs = reinterpret_cast<float*>(s_off + kStageTile);    // [half] cosines, [half] sines
+  float* s_kt = s_cs + hd;                                         // [kStageTile][hd] the tile's keys
+  float* s_vt = s_kt + kStageTile * hd;                            // and values
   constexpr int kPer = kStageMaxHeadDim * 16 / kStageThreads;    // (head, dimension) pairs per thread
+  constexpr int kLoads = kStageTile * kStageMaxHeadDim / kStageThreads;  // a tile's values per thread
   const int items = a.batch * nkv * splits;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int b = item / (nkv * splits), kvh = (item / splits) % nkv, split = item % splits;
@@ -97,22 +101,34 @@ __device__ void stage_attention_split(const SArgs& a, const DLayer& L, const KvL
       const int n = min(kStageTile, end - t0);
       if (threadIdx.x < n) s_off[threadIdx.x] = t0 + int(threadIdx.x) == pos ? 0 : kv_offset(kv, b, t0 + threadIdx.x);
       __syncthreads();  // s_off, and (first tile) the stored key
+      // The tile's keys and values into shared memory, every thread's loads in flight at once.
+      {
+        float kt[kLoads], vt[kLoads];
+        #pragma unroll
+        for (int i = 0; i < kLoads; ++i) {
+          const int e = threadIdx.x + i * kStageThreads, p = e / hd, d = e % hd;
+          const bool ok = e < n * hd && t0 + p != pos;
+          kt[i] = kv_load(kbase, ok ? s_off[p] + d : 0, ok);
+          vt[i] = kv_load(vbase, ok ? s_off[p] + d : 0, ok);
+        }
+        #pragma unroll
+        for (int i = 0; i < kLoads; ++i) {
+          const int e = threadIdx.x + i * kStageThreads, p = e / hd, d = e % hd;
+          if (e < n * hd) {
+            const bool fresh = t0 + p == pos;
+            s_kt[e] = fresh ? s_k[d] : kt[i];
+            s_vt[e] = fresh ? s_v[d] : vt[i];
+          }
+        }
+      }
+      __syncthreads();
       // Scores: a warp per position, its lanes over the dimensions, every query head at once.
       for (int p = stage_warp(); p < kStageTile; p += kStageWarps) {
-        const bool live = p < n, fresh = live && t0 + p == pos;
-        float kr[kStageMaxHeadDim / 32];
-        #pragma unroll
-        for (int i = 0; i < kStageMaxHeadDim / 32; ++i) {
-          const int d = stage_lane() + 32 * i;
-          kr[i] = !live || d >= hd ? 0.0f : fresh ? s_k[d] : kv_load(kbase, s_off[p] + d, true);
-        }
+        const bool live = p < n;
         for (int h = 0; h < G; ++h) {
           float dot = 0.0f;
-          #pragma unroll
-          for (int i = 0; i < kStageMaxHeadDim / 32; ++i) {
-            const int d = stage_lane() + 32 * i;
-            if (d < hd) dot += s_q[h * hd + d] * kr[i];
-          }
+          if (live)
+            for (int d = stage_lane(); d < hd; d += 32) dot += s_q[h * hd + d] * s_kt[p * hd + d];
           dot = warp_sum(dot);
           if (stage_lane() == 0) s_s[h * kStageTile + p] = live ? dot * a.scale : -FLT_MAX;
         }
@@ -141,12 +157,11 @@ __device__ void stage_attention_split(const SArgs& a, const DLayer& L, const KvL
         if (e < G * hd) {
           const int h = e / hd, d = e % hd;
           float v = acc[i] * s_c[h];
-          for (int p = 0; p < n; ++p)
-            v += s_s[h * kStageTile + p] * (t0 + p == pos ? s_v[d] : kv_load(vbase, s_off[p] + d, true));
+          for (int p = 0; p < n; ++p) v += s_s[h * kStageTile + p] * s_vt[p * hd + d];
           acc[i] = v;
         }
       }
-      __syncthreads();  // s_s and s_off are the next tile's
+      __syncthreads();  // s_s, s_off and the rows are the next tile's
     }
     // This split's part of every query head of the group.
     const size_t base = (size_t(b) * nq + size_t(kvh) * G) * splits + split;  // + h * splits
@@ -192,14 +207,18 @@ __device__ void stage_attention_combine(const SArgs& a) {
     total = warp_sum(total);
     const float* pv = a.part + size_t(bh) * splits * hd;
     float o = 0.0f;
-    #pragma unroll
-    for (int r = 0; r < kRegs; ++r) {
-      if (r * 32 >= splits) break;
-      const int n = min(32, splits - r * 32);
-      for (int k = 0; k < n; ++k) {
-        const float w = __shfl_sync(0xffffffffu, m[r], k);
-        if (d < hd) o += w * pv[size_t(r * 32 + k) * hd + d];
-      }
+    // Eight splits' values loaded before the first is used; split s's share is lane s % 32's
+    // m[s / 32] (the eight lie in one register of the array).
+    for (int s0 = 0; s0 < splits; s0 += 8) {
+      float v[8];
+      #pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = s0 + j < splits && d < hd ? pv[size_t(s0 + j) * hd + d] : 0.0f;
+      float mr = m[0];
+      #pragma unroll
+      for (int r = 1; r < kRegs; ++r)
+        if (r == s0 / 32) mr = m[r];
+      #pragma unroll
+      for (int j = 0; j < 8; ++j) o += __shfl_sync(0xffffffffu, mr, (s0 + j) & 31) * v[j];
     }
     if (d < hd) a.att[size_t(bh) * hd + d] = o / total;
   }

@@ -57,19 +57,6 @@ __device__ void stage_select(const SArgs& a, const DMoe& m, StageRoute& r, float
   __syncthreads();
 }
 
-// By one warp, once the route is known: this block's down rows of every distinct expert, and of
-// the shared expert, into the L2 (as stage_expert_down shares the rows out).
-template <int B>
-__device__ __forceinline__ void prefetch_down(const DMoe& m, const StageRoute& r) {
-  constexpr int R = stage_rows<B>();
-  const int H = m.router.w.in, total = (H + R - 1) / R;
-  for (int i = stage_lane(); i < r.n; i += 32) {
-    const int e = r.expert[i] - m.first_expert;
-    if (e >= 0 && e < m.local_experts) prefetch_row_share(m.down[e], 0, R, total);
-  }
-  if (m.has_shared && stage_lane() == 0) prefetch_row_share(m.shared_down, 0, R, total);
-}
-
 // xn: the normalized rows in shared memory (stage_norm).
 template <int B>
 __device__ void stage_expert_gate_up(const SArgs& a, const DMoe& m, const StageRoute& r, const float* xn) {
@@ -88,37 +75,15 @@ __device__ void stage_expert_gate_up(const SArgs& a, const DMoe& m, const StageR
   });
 }
 
-// One 32-weight group of an NVFP4 row (16 bytes of codes, two E4M3 scales) against B rows of x
-// (x[b * ldx ...]), each token's dot product times w[b] added to acc[b].
-template <int B>
-__device__ __forceinline__ void nvfp4_group_dot(uint4 c, uint32_t sc, float unscale, const float* x, int ldx,
-                                                const float (&w)[B], float (&acc)[B]) {
-  #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t word = i == 0 ? c.x : i == 1 ? c.y : i == 2 ? c.z : c.w;
-    const float s = e4m3_to_float(uint8_t(sc >> (8 * (i / 2)))) * unscale;
-    float v[8];
-    e2m1x8_scaled(word, v);
-    #pragma unroll
-    for (int b = 0; b < B; ++b) {
-      const float4 x0 = *reinterpret_cast<const float4*>(x + size_t(b) * ldx + 8 * i);
-      const float4 x1 = *reinterpret_cast<const float4*>(x + size_t(b) * ldx + 8 * i + 4);
-      const float part = v[0] * x0.x + v[1] * x0.y + v[2] * x0.z + v[3] * x0.w + v[4] * x1.x + v[5] * x1.y +
-                         v[6] * x1.z + v[7] * x1.w;
-      acc[b] = fmaf(part * s, w[b], acc[b]);
-    }
-  }
-}
-
 // Down rows row0 .. row0 + R - 1 of every distinct expert, NVFP4 rows of whole 32-weight groups:
-// the lanes take (expert, group) pairs, kU pairs' loads issued before the first is used, so a
-// warp waits for one memory latency instead of one per expert.
+// the lanes take (expert, group) pairs first, first + step, ..., kU pairs' loads issued before
+// the first is used, so a warp waits for one memory latency instead of one per expert.
 template <int R, int B>
 __device__ __forceinline__ void nvfp4_down_rows(const SArgs& a, const DMoe& m, const StageRoute& r, int row0,
-                                                float (&sum)[R][B]) {
+                                                float (&sum)[R][B], int first, int step) {
   constexpr int kU = 3;
   const int W = m.width, groups = W / 32, pairs = r.n * groups;
-  for (int q0 = stage_lane(); q0 < pairs; q0 += 32 * kU) {
+  for (int q0 = first + stage_lane(); q0 < pairs; q0 += step * kU) {
     uint4 c[kU][R];
     uint32_t sc[kU][R];
     float unscale[kU];
@@ -126,7 +91,7 @@ __device__ __forceinline__ void nvfp4_down_rows(const SArgs& a, const DMoe& m, c
     float w[kU][B];
     #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const int q = q0 + 32 * u, i = min(q, pairs - 1) / groups, g = min(q, pairs - 1) % groups;
+      const int q = q0 + step * u, i = min(q, pairs - 1) / groups, g = min(q, pairs - 1) % groups;
       const DLinear& D = m.down[r.expert[i] - m.first_expert];
       unscale[u] = kE2M1Unscale * D.scale2;
       x[u] = a.act + size_t(i) * B * W + 32 * g;
@@ -140,28 +105,45 @@ __device__ __forceinline__ void nvfp4_down_rows(const SArgs& a, const DMoe& m, c
       }
     }
     #pragma unroll
-    for (int u = 0; u < kU; ++u)
+    for (int u = 0; u < kU; ++u) {
+      const NvRows mat[1] = {{nullptr, nullptr, unscale[u], 0}};
+      float part[R][B];
       #pragma unroll
-      for (int k = 0; k < R; ++k) nvfp4_group_dot<B>(c[u][k], sc[u][k], unscale[u], x[u], W, w[u], sum[k]);
+      for (int k = 0; k < R; ++k)
+        #pragma unroll
+        for (int b = 0; b < B; ++b) part[k][b] = 0.0f;
+      nvfp4_group_fma<1, R, B>(mat, c[u], sc[u], x[u], W, part);
+      #pragma unroll
+      for (int k = 0; k < R; ++k)
+        #pragma unroll
+        for (int b = 0; b < B; ++b) sum[k][b] = fmaf(w[u][b], part[k][b], sum[k][b]);
+    }
   }
 }
 
+// Block b takes its run of output row groups in rounds, ks warps on each (as stage_linear).
 template <int B>
-__device__ void stage_expert_down(const SArgs& a, const DMoe& m, const StageRoute& r) {
+__device__ void stage_expert_down(const SArgs& a, const DMoe& m, const StageRoute& r, float* red) {
   constexpr int R = stage_rows<B>();
   const int H = a.hidden, W = m.width;
   // Every expert local (no expert parallelism here) and NVFP4 in whole groups: set at load.
   const bool grouped = m.slot_down_mma && W % 32 == 0 && m.local_experts == a.experts;
-  for_row_groups((H + R - 1) / R, [&](int g) {
-    const int row0 = g * R;
+  const int groups = (H + R - 1) / R, per = (groups + int(gridDim.x) - 1) / int(gridDim.x);
+  const int g0 = int(blockIdx.x) * per, n = max(0, min(groups, g0 + per) - g0);
+  int ks = 1;
+  while (ks < kStageWarps && n * ks * 2 <= kStageWarps && 64 * ks <= r.n * (W / 32)) ks *= 2;
+  const int slots = kStageWarps / ks, w = stage_warp(), first = (w % ks) * 32, step = 32 * ks;
+  for (int base = 0; base < n; base += slots) {
+    const int row0 = (g0 + base + w / ks) * R;
+    const bool live = base + w / ks < n;
     float sum[R][B];
     #pragma unroll
     for (int q = 0; q < R; ++q)
       #pragma unroll
       for (int b = 0; b < B; ++b) sum[q][b] = 0.0f;
-    if (grouped) {
-      nvfp4_down_rows<R, B>(a, m, r, row0, sum);
-    } else {
+    if (live && grouped) {
+      nvfp4_down_rows<R, B>(a, m, r, row0, sum, first, step);
+    } else if (live) {
       for (int i = 0; i < r.n; ++i) {
         const int e = r.expert[i] - m.first_expert;
         if (e < 0 || e >= m.local_experts) continue;
@@ -170,24 +152,25 @@ __device__ void stage_expert_down(const SArgs& a, const DMoe& m, const StageRout
         for (int q = 0; q < R; ++q)
           #pragma unroll
           for (int b = 0; b < B; ++b) acc[q][b] = 0.0f;
-        rows_dot_partial<R, B>(m.down[e], row0, a.act + size_t(i) * B * W, W, stage_lane(), acc);
+        rows_dot_partial<R, B>(m.down[e], row0, a.act + size_t(i) * B * W, W, stage_lane(), acc, first, step);
         #pragma unroll
         for (int q = 0; q < R; ++q)
           #pragma unroll
           for (int b = 0; b < B; ++b) sum[q][b] = fmaf(r.weight[i][b], acc[q][b], sum[q][b]);
       }
     }
-    if (m.has_shared)
-      rows_dot_partial<R, B>(m.shared_down, row0, a.act_shared, m.shared_gate.out, stage_lane(), sum);
-    warp_sum<R, B>(sum);
-    if (stage_lane() == 0)
+    if (live && m.has_shared)
+      rows_dot_partial<R, B>(m.shared_down, row0, a.act_shared, m.shared_gate.out, stage_lane(), sum, first, step);
+    group_sum<R, B>(sum, red, ks);
+    if (live && stage_lane() == 0 && w % ks == 0)
       #pragma unroll
       for (int q = 0; q < R; ++q)
         if (row0 + q < H)
           #pragma unroll
           for (int b = 0; b < B; ++b)
             if (b < a.batch) a.x[size_t(b) * H + row0 + q] += sum[q][b];
-  });
+    if (ks > 1) __syncthreads();  // red is the next round's
+  }
 }
 
 }  // namespace kestrel::cuda

@@ -5,7 +5,6 @@
 // launched kernels' own), so each weight is read once per step.
 #pragma once
 #include "backend/cuda/dequant.cuh"
-#include "backend/cuda/persistent/weights.cuh"
 #include "backend/cuda/stages/stage_args.h"
 
 namespace kestrel::cuda {
@@ -70,14 +69,45 @@ __device__ __forceinline__ void for_row_groups(int groups, F&& f) {
   for (int g = g0 + stage_warp(); g < g1; g += kStageWarps) f(g);
 }
 
-// This block's rows of W among row groups [0, total) of R rows, W's being [first, first + its
-// groups): asked of the L2 (by the calling thread), so that the stage that reads them finds them
-// there instead of waiting for HBM after its barrier.
-__device__ __forceinline__ void prefetch_row_share(const DLinear& W, int first, int R, int total) {
-  if (!W.data) return;
-  const int per = (total + int(gridDim.x) - 1) / int(gridDim.x);
-  const int g0 = max(int(blockIdx.x) * per, first), g1 = min(min(total, (int(blockIdx.x) + 1) * per), first + (W.out + R - 1) / R);
-  if (g0 < g1) bulk_prefetch_rows(W, (g0 - first) * R, min(W.out, (g1 - first) * R));
+// NVFP4 rows whose groups a warp covers in at most kIters steps (K <= 32 x kIters x step, a
+// multiple of 32): every one of the lane's groups loaded before the first is used, so the warp
+// waits for one memory latency instead of one per step through K (rows_dot_partial's loop).
+// M matrices of R rows (M = 2: gate and up), acc as nvfp4_rows_dot's. False where it does not
+// apply (uniform over the block): the caller takes rows_dot_partial.
+template <int M, int R, int B, int kIters>
+__device__ __forceinline__ bool nvfp4_rows_deep(const NvRows (&mat)[M], int K, const float* x, int ldx,
+                                                float (&acc)[M * R][B], int first, int step) {
+  const int groups = K / 32;
+  if (K % 32 != 0 || groups > kIters * step) return false;
+  uint4 c[kIters][M * R];
+  uint32_t sc[kIters][M * R];
+  #pragma unroll
+  for (int j = 0; j < kIters; ++j) {
+    const int g = min(first + stage_lane() + j * step, groups - 1);
+    #pragma unroll
+    for (int q = 0; q < M * R; ++q) {
+      const int row = min(q % R, mat[q / R].last);
+      c[j][q] = __ldg(reinterpret_cast<const uint4*>(mat[q / R].codes + size_t(row) * (K / 2)) + g);
+      sc[j][q] = __ldg(reinterpret_cast<const uint16_t*>(mat[q / R].scales + size_t(row) * (K / 16)) + g);
+    }
+  }
+  #pragma unroll
+  for (int j = 0; j < kIters; ++j) {
+    const int g = first + stage_lane() + j * step;
+    if (g < groups) nvfp4_group_fma<M, R, B>(mat, c[j], sc[j], x + 32 * g, ldx, acc);
+  }
+  return true;
+}
+
+// rows_dot_partial, with NVFP4 rows of up to 4 steps through K loaded all at once.
+template <int R, int B>
+__device__ __forceinline__ void stage_rows_dot(const DLinear& W, int row0, const float* x, int ldx, float (&acc)[R][B],
+                                               int first, int step) {
+  if (W.format == DFormat::NVFP4) {
+    const NvRows mat[1] = {nv_rows(W, row0)};
+    if (nvfp4_rows_deep<1, R, B, 4>(mat, W.in, x, ldx, acc, first, step)) return;
+  }
+  rows_dot_partial<R, B>(W, row0, x, ldx, stage_lane(), acc, first, step);
 }
 
 // Rows row0 .. row0 + R - 1 of W (those that exist) for the first `batch` of B tokens of x
@@ -90,7 +120,7 @@ __device__ __forceinline__ void stage_linear_rows(const DLinear& W, int row0, co
   for (int r = 0; r < R; ++r)
     #pragma unroll
     for (int b = 0; b < B; ++b) acc[r][b] = 0.0f;
-  rows_dot_partial<R, B>(W, row0, x, ldx, stage_lane(), acc);
+  stage_rows_dot<R, B>(W, row0, x, ldx, acc, 0, 32);
   warp_sum<R, B>(acc);
   if (stage_lane() == 0)
     #pragma unroll
@@ -107,13 +137,52 @@ __device__ __forceinline__ void stage_linear_rows(const DLinear& W, int row0, co
     }
 }
 
-// Every row of W over the grid (see stage_linear_rows).
+// Warps that share one row group when a block has n groups: as many as keep all 16 busy, but
+// no more than give each lane a 32-weight (NVFP4) or 8-weight group of the row (warps_per_row).
+// A block with few groups (the router: one or none; o and down: eight) then waits for one
+// memory latency instead of one per step of a lane through the row.
+__device__ __forceinline__ int stage_split_k(const DLinear& W, int n) {
+  int ks = 1;
+  const int cap = warps_per_row(W) * 2;  // warps_per_row stops at 8
+  while (ks < kStageWarps && ks < cap && n * ks * 2 <= kStageWarps) ks *= 2;
+  return ks;
+}
+
+// Every row of W over the grid: y[b * ldy + row] = (accumulate ? y : 0) + W x + bias. Block b
+// takes its run of row groups in rounds of 16 / ks groups, ks warps on each (the same for every
+// warp of the block: group_sum meets at barriers). red: 16 x R x B floats of shared memory.
 template <int B>
-__device__ __forceinline__ void stage_linear(const DLinear& W, const float* x, int ldx, int batch, float* y, int ldy,
-                                             bool accumulate) {
+__device__ void stage_linear(const DLinear& W, const float* x, int ldx, int batch, float* y, int ldy, bool accumulate,
+                             float* red) {
   constexpr int R = stage_rows<B>();
-  for_row_groups((W.out + R - 1) / R,
-                 [&](int g) { stage_linear_rows<R, B>(W, g * R, x, ldx, batch, y, ldy, accumulate); });
+  const int groups = (W.out + R - 1) / R, per = (groups + int(gridDim.x) - 1) / int(gridDim.x);
+  const int g0 = int(blockIdx.x) * per, n = max(0, min(groups, g0 + per) - g0);
+  const int ks = stage_split_k(W, n), slots = kStageWarps / ks, w = stage_warp();
+  for (int base = 0; base < n; base += slots) {
+    const int g = g0 + base + w / ks;
+    const bool live = base + w / ks < n;
+    float acc[R][B];
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+      #pragma unroll
+      for (int b = 0; b < B; ++b) acc[r][b] = 0.0f;
+    if (live) stage_rows_dot<R, B>(W, g * R, x, ldx, acc, (w % ks) * 32, ks * 32);
+    group_sum<R, B>(acc, red, ks);
+    if (live && stage_lane() == 0 && w % ks == 0)
+      #pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int row = g * R + r;
+        if (row >= W.out) break;
+        const float bias = W.bias ? W.bias[row] : 0.0f;
+        #pragma unroll
+        for (int b = 0; b < B; ++b)
+          if (b < batch) {
+            float* o = y + size_t(b) * ldy + row;
+            *o = (accumulate ? *o : 0.0f) + acc[r][b] + bias;
+          }
+      }
+    if (ks > 1) __syncthreads();  // red is the next round's
+  }
 }
 
 // silu(gate . x) * (up . x) for rows row0 .. row0 + R - 1 into y[b * ldy + row], b < batch.
@@ -125,7 +194,21 @@ __device__ __forceinline__ void stage_gated_rows(const DLinear& G, const DLinear
   for (int r = 0; r < R; ++r)
     #pragma unroll
     for (int b = 0; b < B; ++b) g[r][b] = u[r][b] = 0.0f;
-  gated_rows_dot_partial<R, B>(G, U, row0, x, ldx, stage_lane(), g, u, 0, 32);
+  bool deep = false;
+  if (G.format == DFormat::NVFP4 && U.format == DFormat::NVFP4 && G.in == U.in) {
+    const NvRows mat[2] = {nv_rows(G, row0), nv_rows(U, row0)};
+    float acc[2 * R][B];
+    #pragma unroll
+    for (int q = 0; q < 2 * R; ++q)
+      #pragma unroll
+      for (int b = 0; b < B; ++b) acc[q][b] = 0.0f;
+    deep = nvfp4_rows_deep<2, R, B, 2>(mat, G.in, x, ldx, acc, 0, 32);
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+      #pragma unroll
+      for (int b = 0; b < B; ++b) g[r][b] = acc[r][b], u[r][b] = acc[R + r][b];
+  }
+  if (!deep) gated_rows_dot_partial<R, B>(G, U, row0, x, ldx, stage_lane(), g, u, 0, 32);
   warp_sum<R, B>(g);
   warp_sum<R, B>(u);
   if (stage_lane() == 0)

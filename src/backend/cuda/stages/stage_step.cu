@@ -13,7 +13,6 @@
 #include "backend/cuda/stages/stage_attention.cuh"
 #include "backend/cuda/stages/stage_moe.cuh"
 #include "backend/cuda/stages/stage_rows.cuh"
-#include "common/env.h"
 #include "common/error.h"
 
 namespace kestrel::cuda {
@@ -56,25 +55,6 @@ __device__ __forceinline__ void load_layer(const SArgs& a, int l, DLayer* s_laye
   }
 }
 
-// This block's share of a layer's q | k | v rows (as the q/k/v stage shares them out) into the L2.
-template <int B>
-__device__ __forceinline__ void prefetch_qkv(const SArgs& a, const DLayer& L) {
-  constexpr int R = stage_rows<B>();
-  const int gq = (a.heads * a.head_dim + R - 1) / R, gk = (a.kv_heads * a.head_dim + R - 1) / R;
-  prefetch_row_share(L.q, 0, R, gq + 2 * gk);
-  prefetch_row_share(L.k, gq, R, gq + 2 * gk);
-  prefetch_row_share(L.v, gq + gk, R, gq + 2 * gk);
-}
-
-// The start of this block's share of the LM head (the stage streams the rest behind it).
-template <int B>
-__device__ __forceinline__ void prefetch_head(const SArgs& a) {
-  constexpr int R = stage_rows<B>(), kRows = 64;
-  const int total = (a.lm_head.out + R - 1) / R, per = (total + int(gridDim.x) - 1) / int(gridDim.x);
-  const int r0 = min(a.lm_head.out, int(blockIdx.x) * per * R);
-  bulk_prefetch_rows(a.lm_head, r0, min(a.lm_head.out, r0 + kRows));
-}
-
 // One block per SM runs every stage of the step. B: the batch rounded up to 1, 2, 4 or 8 (the
 // products' columns); T: the KV cache's values.
 template <int B, class T>
@@ -83,7 +63,7 @@ __global__ void __launch_bounds__(kStageThreads, 1) stage_step_kernel(const SArg
   __shared__ __align__(16) DLayer s_layer[2];
   __shared__ __align__(16) KvLayer s_kv[2];
   __shared__ StageRoute s_route;
-  __shared__ float s_red[kStageWarps * 8];
+  __shared__ float s_red[kStageWarps * 8];  // a block's reductions: 16 warps x R x B
   __shared__ uint32_t s_epoch;
   float* const xn = smem;                   // [B][hidden]: the normalized rows
   float* const scratch = smem + a.xn_floats;
@@ -106,17 +86,13 @@ __global__ void __launch_bounds__(kStageThreads, 1) stage_step_kernel(const SArg
     return true;
   };
 
-  // Weights a later stage reads, asked of the L2 by thread 0 once their stage is near (a.prefetch).
-  const bool pf = a.prefetch && threadIdx.x == 0;
   constexpr int R = stage_rows<B>();
-  if (pf) prefetch_qkv<B>(a, s_layer[0]);
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.batch * H; i += gridDim.x * blockDim.x)
     a.x[i] = embed_value(a.embed, a.tokens[i / H], i % H);
   if (!next()) return;
 
   for (int l = 0; l < a.n_layers; ++l) {
     const DLayer& L = s_layer[l & 1];
-    if (pf) prefetch_row_share(L.o, 0, R, (L.o.out + R - 1) / R);
     {  // RMSNorm and q | k | v
       stage_norm<B>(a.x, L.attn_norm, a.batch, H, a.eps, xn, s_red);
       const int hd = a.head_dim, Q = (a.heads + 2 * a.kv_heads) * hd;
@@ -129,44 +105,32 @@ __global__ void __launch_bounds__(kStageThreads, 1) stage_step_kernel(const SArg
       });
     }
     if (!next()) return;
-    if (pf) {
-      if (L.is_moe) {
-        prefetch_row_share(L.moe.router.w, 0, R, (L.moe.router.w.out + R - 1) / R);
-      } else {
-        prefetch_row_share(L.gate, 0, R, (L.gate.out + R - 1) / R);
-        prefetch_row_share(L.up, 0, R, (L.gate.out + R - 1) / R);
-      }
-    }
     stage_attention_split<B, T>(a, L, s_kv[l & 1], scratch);
     if (!next()) return;
     load_layer(a, l + 1, s_layer, s_kv);  // read from the next layer's first stage on
     stage_attention_combine(a);
     if (!next()) return;
-    stage_linear<B>(L.o, a.att, a.heads * a.head_dim, a.batch, a.x, H, true);
+    stage_linear<B>(L.o, a.att, a.heads * a.head_dim, a.batch, a.x, H, true, s_red);
     if (!next()) return;
     stage_norm<B>(a.x, L.ffn_norm, a.batch, H, a.eps, xn, s_red);  // kept for the next stage
     if (L.is_moe) {
-      stage_linear<B>(L.moe.router.w, xn, H, a.batch, a.rlogits, L.moe.router.experts, false);
+      stage_linear<B>(L.moe.router.w, xn, H, a.batch, a.rlogits, L.moe.router.experts, false, s_red);
       if (!next()) return;
       stage_select<B>(a, L.moe, s_route, scratch);
-      if (a.prefetch && stage_warp() == 0) prefetch_down<B>(L.moe, s_route);
       stage_expert_gate_up<B>(a, L.moe, s_route, xn);
       if (!next()) return;
-      if (pf) l + 1 < a.n_layers ? prefetch_qkv<B>(a, s_layer[(l + 1) & 1]) : prefetch_head<B>(a);
-      stage_expert_down<B>(a, L.moe, s_route);
+      stage_expert_down<B>(a, L.moe, s_route, s_red);
     } else {
       const int I = L.gate.out;
-      if (pf) prefetch_row_share(L.down, 0, R, (H + R - 1) / R);
       for_row_groups((I + R - 1) / R,
                      [&](int g) { stage_gated_rows<R, B>(L.gate, L.up, g * R, xn, H, a.batch, a.act, I); });
       if (!next()) return;
-      if (pf) l + 1 < a.n_layers ? prefetch_qkv<B>(a, s_layer[(l + 1) & 1]) : prefetch_head<B>(a);
-      stage_linear<B>(L.down, a.act, I, a.batch, a.x, H, true);
+      stage_linear<B>(L.down, a.act, I, a.batch, a.x, H, true, s_red);
     }
     if (!next()) return;
   }
   stage_norm<B>(a.x, a.final_norm, a.batch, H, a.eps, xn, s_red);
-  stage_linear<B>(a.lm_head, xn, H, a.batch, a.logits, a.vocab, false);
+  stage_linear<B>(a.lm_head, xn, H, a.batch, a.logits, a.vocab, false, s_red);
   if (a.trace && threadIdx.x == 0) {
     long long* t = a.trace + (size_t(k) * gridDim.x + blockIdx.x) * 2;
     t[0] = t0, t[1] = clock64();
@@ -283,7 +247,6 @@ StageStep::StageStep(const DeviceModel& model, Decoder& kv, int batch) : d_(std:
   }
   stages_.push_back(Stage::Head);
   a.barriers = int(stages_.size()) - 1;
-  a.prefetch = env_switch("KESTREL_STAGE_PREFETCH") ? 1 : 0;
 
   // Shared memory: the normalized rows, then the larger of the attention's and the route's scratch.
   a.xn_floats = uint32_t(Bs * H);
