@@ -18,7 +18,15 @@
 //   l2         + each stage's share asked of the L2 (cp.async.bulk.prefetch.L2) as soon as its
 //              addresses are known: the fixed weights one stage ahead, down with the route
 //   smem       + instead copied into shared memory (cp.async.bulk, two slots), read from there
+//   regs       each thread's first eight loads of a stage issued before the stage's barrier
+//              (all but gate/up, whose addresses come from the route), the rest after it
 // Usage: grid_stages_lab [threads] [steps]     (512 threads per block, one block per SM; 20 steps)
+//
+// Measured (H100 80 GB HBM3, copy bandwidth 3.01 TB/s, floor 0.756 ms, 2026-12-07; docs/PERF.md
+// v36): barriers alone 0.497 ms (1.48 us each); the bytes alone, no barriers, 0.878 ms (2.59
+// TB/s, 1.16x the floor); read after each barrier 1.558 ms (2.06x); l2 1.655 ms; smem 2.220 ms.
+// A first version whose small shares went one load at a time per thread: 1.131 / 1.804 / 1.826 /
+// 2.495 ms. `regs` not yet run.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -40,7 +48,7 @@
 constexpr int kLayers = 48, kStages = 7, kPool = 16, kTopK = 8;
 constexpr uint32_t kSlotBytes = 110 * 1024;  // two slots of shared memory
 enum Kind { kFixed, kGateUp, kDown, kNone };
-enum Mode { kBarriers, kStream, kRead, kL2, kSmem };
+enum Mode { kBarriers, kStream, kRead, kL2, kSmem, kRegs };
 
 struct Stage {
   const uint8_t* base;  // layer l's bytes at base + l * layer_stride
@@ -104,14 +112,15 @@ __device__ int pieces(const Lab& L, int s, int layer, const int* route, Piece ou
   return k;
 }
 
-__device__ __forceinline__ uint4 read_global(const Piece* ps, int n) {
+// skip: units of the first piece already read (kRegs: before the barrier).
+__device__ __forceinline__ uint4 read_global(const Piece* ps, int n, int skip = 0) {
   uint4 acc = make_uint4(0, 0, 0, 0);
   for (int k = 0; k < n; ++k) {
     const uint4* p = reinterpret_cast<const uint4*>(ps[k].p);
     const int units = int(ps[k].n / 16);
     // Eight loads in flight per thread, predicated: a small share (a few loads per thread) must
     // not take one memory latency per load.
-    for (int i0 = threadIdx.x; i0 < units; i0 += 8 * blockDim.x) {
+    for (int i0 = threadIdx.x + (k == 0 ? skip : 0); i0 < units; i0 += 8 * blockDim.x) {
       uint4 v[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
@@ -123,6 +132,17 @@ __device__ __forceinline__ uint4 read_global(const Piece* ps, int n) {
     }
   }
   return acc;
+}
+
+// The first eight loads per thread of a piece (what read_global's first round reads) into v.
+__device__ __forceinline__ void load_first(const Piece& pc, uint4 (&v)[8]) {
+  const uint4* p = reinterpret_cast<const uint4*>(pc.p);
+  const int units = int(pc.n / 16);
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    const int i = threadIdx.x + u * int(blockDim.x);
+    v[u] = i < units ? __ldcs(p + i) : make_uint4(0, 0, 0, 0);
+  }
 }
 
 // Bulk copies of a stage's pieces into a slot, completing on its mbarrier (thread 0).
@@ -189,6 +209,15 @@ __global__ void stages_kernel(const Lab L) {
     // The next stage's fixed weights before this one's wait; down's once the route is known (the
     // gate/up stage has passed its wait).
     if (early && g + 1 < kLayers * kStages && L.st[(g + 1) % kStages].kind == kFixed) ask(g + 1);
+    // kRegs: the stage's first loads into registers before its barrier, where its addresses are
+    // known (all but gate/up's), so the barrier's wait and the loads' latency overlap.
+    uint4 pre[8];
+    const bool have = L.mode == kRegs && L.st[s].kind != kGateUp && L.st[s].kind != kNone;
+    if (have) {
+      Piece ps[2];
+      if (pieces(L, s, layer, route, ps) > 0) load_first(ps[0], pre);
+      else for (int u = 0; u < 8; ++u) pre[u] = make_uint4(0, 0, 0, 0);
+    }
     if (L.mode != kStream && g > 0) grid_barrier(L.counter, (passed += 1) * blocks);
     if (early && L.st[s].kind == kGateUp) ask(g), ask(g + 1);
     if (L.mode == kBarriers) continue;
@@ -209,8 +238,10 @@ __global__ void stages_kernel(const Lab L) {
     } else {
       Piece ps[2];
       const int n = pieces(L, s, layer, route, ps);
-      const uint4 a = read_global(ps, n);
+      const uint4 a = read_global(ps, n, have ? 8 * int(blockDim.x) : 0);
       acc.x ^= a.x, acc.y ^= a.y, acc.z ^= a.z, acc.w ^= a.w;
+      if (have)
+        for (int u = 0; u < 8; ++u) acc.x ^= pre[u].x, acc.y ^= pre[u].y, acc.z ^= pre[u].z, acc.w ^= pre[u].w;
     }
   }
   if (L.mode != kBarriers) {
@@ -294,8 +325,8 @@ int main(int argc, char** argv) {
   std::printf("per layer: q/k/v %.2f, attention %.2f, o %.2f, router %.2f, gate/up %.2f, down %.2f MB; %d barriers\n",
               qkv / MB, kv / MB, o / MB, router / MB, gate_up * kTopK / MB, down * kTopK / MB, kLayers * kStages);
   CHECK(cudaFuncSetAttribute(stages_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(2 * kSlotBytes)));
-  const char* names[] = {"barriers", "stream", "read", "l2", "smem"};
-  for (int mode : {kBarriers, kStream, kRead, kL2, kSmem}) {
+  const char* names[] = {"barriers", "stream", "read", "l2", "smem", "regs"};
+  for (int mode : {kBarriers, kStream, kRead, kL2, kSmem, kRegs}) {
     CHECK(cudaMemset(L.counter, 0, 4));
     std::vector<float> t;
     for (int step = 0; step < steps + 3; ++step) {
