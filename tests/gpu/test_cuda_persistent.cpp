@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "../unit/fixture.h"
+#include "step_check.h"
 #include "backend/cpu/forward.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/decoder.h"
@@ -21,27 +22,17 @@
 namespace kestrel {
 namespace {
 
+using test::copy_back;
+using test::set_inputs;
+
 constexpr double kVsCpu = 1e-4;       // the persistent step vs the CPU's decode, per sequence
 constexpr double kVsLaunched = 1e-4;  // vs the launched step's logits
-
-std::vector<float> copy_back(const float* d, size_t n) {
-  std::vector<float> v(n);
-  KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
-  KESTREL_CUDA_CHECK(cudaMemcpy(v.data(), d, n * 4, cudaMemcpyDeviceToHost));
-  return v;
-}
 
 int device_sms() {
   int dev = 0, n = 0;
   KESTREL_CUDA_CHECK(cudaGetDevice(&dev));
   KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
   return n;
-}
-
-void set_inputs(cuda::Decoder& d, const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions) {
-  KESTREL_CUDA_CHECK(cudaMemcpy(d.tokens(), tokens.data(), tokens.size() * 4, cudaMemcpyHostToDevice));
-  KESTREL_CUDA_CHECK(cudaMemcpy(d.positions(), positions.data(), positions.size() * 4, cudaMemcpyHostToDevice));
-  KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 class CudaPersistentTest : public ::testing::TestWithParam<std::string> {};
@@ -66,39 +57,12 @@ TEST_P(CudaPersistentTest, MatchesTheLaunchedStepAndTheCpu) {
     o.context = 256;  // several splits of the positions, most empty at this length
     o.row_quantum = 4;
     cuda::PersistentStep ps(*dm, dec, make_step_plan(c, o));
-    std::vector<KvCache> caches;
-    for (int b = 0; b < batch; ++b) caches.push_back(fwd.make_cache(steps));
-    double worst_cpu = 0, worst_launched = 0;
-    for (int t = 0; t < steps; ++t) {
-      std::vector<int32_t> tokens, positions;
-      for (int b = 0; b < batch; ++b) {
-        tokens.push_back(int32_t((3 + 29 * t + 13 * b) % V));
-        positions.push_back(t);
-      }
-      set_inputs(dec, tokens, positions);
-      dec.step(batch, nullptr);
-      const auto launched = copy_back(dec.logits(), size_t(batch * V));
-      std::vector<float> cpu(static_cast<size_t>(V));
-      std::vector<std::vector<float>> want;
-      for (int b = 0; b < batch; ++b) {
-        fwd.run({&tokens[size_t(b)], 1}, caches[size_t(b)], cpu.data());
-        want.push_back(cpu);
-      }
-      if (t < steps - persistent) continue;
+    test::check_step("persistent step", fwd, V, dec, batch, steps, persistent, [&] {
       ps.run(nullptr);
-      const auto got = copy_back(ps.logits(), size_t(batch * V));
+      auto got = test::copy_back(ps.logits(), size_t(batch * V));
       ps.check();
-      for (int b = 0; b < batch; ++b) {
-        const double ec = test::rel_l2(got.data() + b * V, want[size_t(b)].data(), V);
-        const double el = test::rel_l2(got.data() + b * V, launched.data() + b * V, V);
-        EXPECT_LE(ec, kVsCpu) << "step " << t << " sequence " << b;
-        EXPECT_LE(el, kVsLaunched) << "step " << t << " sequence " << b;
-        worst_cpu = std::max(worst_cpu, ec);
-        worst_launched = std::max(worst_launched, el);
-      }
-    }
-    std::printf("  persistent step, batch %d: worst rel L2 %.2e vs CPU, %.2e vs the launched step\n", batch, worst_cpu,
-                worst_launched);
+      return got;
+    }, kVsCpu, kVsLaunched);
   }
 }
 

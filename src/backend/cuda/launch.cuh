@@ -97,6 +97,24 @@ void launch_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cud
   KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
+// One cooperative launch of kernel<<<blocks, threads, smem, s>>>(arg): every block resident at
+// once, or the launch fails (the persistent steps' blocks wait for each other; one waiting for a
+// block that is not scheduled would wait forever).
+template <typename Arg>
+void launch_cooperative(void (*kernel)(Arg), int blocks, int threads, size_t smem, cudaStream_t s, const Arg& arg) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(blocks));
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, arg));
+}
+
 // Launches kernel<<<grid, block, smem, s>>>(args...), with PDL when `pdl` (see launch_ex).
 template <typename... KArgs, typename... Args>
 void launch_pdl(bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,

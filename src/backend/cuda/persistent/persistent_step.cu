@@ -444,19 +444,7 @@ PersistentStep::PersistentStep(const DeviceModel& model, Decoder& kv, StepPlan p
 PersistentStep::~PersistentStep() = default;
 
 void PersistentStep::run(cudaStream_t s) {
-  // Cooperative: every block resident at once, or the launch fails (a block waiting on a counter
-  // that an unscheduled block advances would wait forever).
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(d_->blocks));
-  cfg.blockDim = dim3(kPersistentThreads);
-  cfg.dynamicSmemBytes = d_->smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, d_->kernel, d_->program));
+  launch_cooperative(d_->kernel, d_->blocks, kPersistentThreads, d_->smem, s, d_->program);
 }
 
 std::vector<PersistentStep::OpTime> PersistentStep::trace(cudaStream_t s) {

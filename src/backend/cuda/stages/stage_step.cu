@@ -9,6 +9,7 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/device_buffers.h"
 #include "backend/cuda/embed_row.cuh"
+#include "backend/cuda/launch.cuh"
 #include "backend/cuda/stages/grid_barrier.cuh"
 #include "backend/cuda/stages/stage_attention.cuh"
 #include "backend/cuda/stages/stage_moe.cuh"
@@ -274,19 +275,7 @@ int StageStep::blocks() const { return d_->blocks; }
 int StageStep::barriers() const { return d_->args.barriers; }
 
 void StageStep::run(cudaStream_t s) {
-  // Cooperative: every block resident at once, or the launch fails (a barrier that waits for an
-  // unscheduled block would wait forever).
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(d_->blocks));
-  cfg.blockDim = dim3(kStageThreads);
-  cfg.dynamicSmemBytes = d_->smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, d_->kernel, d_->args));
+  launch_cooperative(d_->kernel, d_->blocks, kStageThreads, d_->smem, s, d_->args);
 }
 
 std::vector<StageStep::StageTime> StageStep::trace(cudaStream_t s) {
