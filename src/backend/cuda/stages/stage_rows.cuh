@@ -110,8 +110,26 @@ __device__ __forceinline__ void stage_rows_dot(const DLinear& W, int row0, const
   rows_dot_partial<R, B>(W, row0, x, ldx, stage_lane(), acc, first, step);
 }
 
-// Rows row0 .. row0 + R - 1 of W (those that exist) for the first `batch` of B tokens of x
-// (rows of ldx floats, shared or global memory): y[b * ldy + row] = (accumulate ? y : 0) + W x + bias.
+// By one lane: rows row0 .. row0 + R - 1 of W (those that exist) for the first `batch` of B
+// tokens, y[b * ldy + row] = (accumulate ? y : 0) + acc + bias.
+template <int R, int B>
+__device__ __forceinline__ void store_rows(const DLinear& W, int row0, const float (&acc)[R][B], int batch, float* y,
+                                           int ldy, bool accumulate) {
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row = row0 + r;
+    if (row >= W.out) break;
+    const float bias = W.bias ? W.bias[row] : 0.0f;
+    #pragma unroll
+    for (int b = 0; b < B; ++b)
+      if (b < batch) {
+        float* o = y + size_t(b) * ldy + row;
+        *o = (accumulate ? *o : 0.0f) + acc[r][b] + bias;
+      }
+  }
+}
+
+// Rows row0 .. row0 + R - 1 of W by one warp, x: B rows of ldx floats (shared or global memory).
 template <int R, int B>
 __device__ __forceinline__ void stage_linear_rows(const DLinear& W, int row0, const float* x, int ldx, int batch,
                                                   float* y, int ldy, bool accumulate) {
@@ -122,19 +140,7 @@ __device__ __forceinline__ void stage_linear_rows(const DLinear& W, int row0, co
     for (int b = 0; b < B; ++b) acc[r][b] = 0.0f;
   stage_rows_dot<R, B>(W, row0, x, ldx, acc, 0, 32);
   warp_sum<R, B>(acc);
-  if (stage_lane() == 0)
-    #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int row = row0 + r;
-      if (row >= W.out) break;
-      const float bias = W.bias ? W.bias[row] : 0.0f;
-      #pragma unroll
-      for (int b = 0; b < B; ++b)
-        if (b < batch) {
-          float* o = y + size_t(b) * ldy + row;
-          *o = (accumulate ? *o : 0.0f) + acc[r][b] + bias;
-        }
-    }
+  if (stage_lane() == 0) store_rows<R, B>(W, row0, acc, batch, y, ldy, accumulate);
 }
 
 // Warps that share one row group when a block has n groups: as many as keep all 16 busy, but
@@ -168,19 +174,7 @@ __device__ void stage_linear(const DLinear& W, const float* x, int ldx, int batc
       for (int b = 0; b < B; ++b) acc[r][b] = 0.0f;
     if (live) stage_rows_dot<R, B>(W, g * R, x, ldx, acc, (w % ks) * 32, ks * 32);
     group_sum<R, B>(acc, red, ks);
-    if (live && stage_lane() == 0 && w % ks == 0)
-      #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int row = g * R + r;
-        if (row >= W.out) break;
-        const float bias = W.bias ? W.bias[row] : 0.0f;
-        #pragma unroll
-        for (int b = 0; b < B; ++b)
-          if (b < batch) {
-            float* o = y + size_t(b) * ldy + row;
-            *o = (accumulate ? *o : 0.0f) + acc[r][b] + bias;
-          }
-      }
+    if (live && stage_lane() == 0 && w % ks == 0) store_rows<R, B>(W, g * R, acc, batch, y, ldy, accumulate);
     if (ks > 1) __syncthreads();  // red is the next round's
   }
 }
