@@ -28,7 +28,7 @@ struct SArgs {
   RopeArgs rope;
   float eps = 0, scale = 0;
   int n_layers = 0, batch = 0, hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, splits = 0, vocab = 0;
-  int experts = 0, top_k = 0, moe_width = 0, shared_width = 0, mlp_width = 0;
+  int experts = 0;
 
   // The batch: tokens and positions (the decoder's), and the stages' buffers.
   const int32_t* tokens = nullptr;
@@ -39,8 +39,8 @@ struct SArgs {
   float* part = nullptr;     // [batch, heads, splits, head_dim] each split's weighted values
   float* att = nullptr;      // [batch, heads head_dim]
   float* rlogits = nullptr;  // [batch, experts]
-  float* act = nullptr;      // MoE: [distinct experts, B, moe_width]; dense: [batch, mlp_width]
-  float* act_shared = nullptr;  // [batch, shared_width]
+  float* act = nullptr;      // MoE: [distinct experts, B, expert width]; dense: [batch, intermediate]
+  float* act_shared = nullptr;  // [batch, shared expert width]
   float* logits = nullptr;   // [batch, vocab]
 
   // The grid barrier (grid_barrier.cuh): counts up across steps, never reset.

@@ -211,13 +211,9 @@ StageStep::StageStep(const DeviceModel& model, Decoder& kv, int batch) : d_(std:
   a.head_dim = int(hd);
   a.vocab = int(c.vocab_size);
   a.experts = int(c.num_experts);
-  a.top_k = int(c.experts_per_token);
-  a.moe_width = int(c.moe_intermediate_size);
-  a.mlp_width = int(c.intermediate_size);
   int shared_width = 0;
   for (const DLayer& L : model.layers())
     if (L.is_moe && L.moe.has_shared) shared_width = std::max(shared_width, L.moe.shared_gate.out);
-  a.shared_width = shared_width;
   a.tokens = kv.tokens();
   a.pos = kv.positions();
   const size_t Bs = size_t(Bt);
