@@ -18,9 +18,9 @@ struct StageRoute {
   int n;                                  // distinct experts
   int expert[kStageMaxSlots];             // in index order
   float weight[kStageMaxSlots][8];        // [distinct expert][token], 0 where not chosen
-  int32_t chosen[8][32];                  // per token: its experts, then their weights
-  float chosen_w[8][32];
-  float gscore[8][32];
+  int32_t chosen[8][32];                  // per token: its experts
+  float chosen_w[8][32];                  // and their weights
+  float gscore[8][32];                    // select_experts' scratch per token
   int sel[8][32];
   uint32_t bits[16];                      // a bit per expert (up to 512)
 };
