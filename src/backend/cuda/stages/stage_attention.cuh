@@ -32,8 +32,49 @@ __device__ __forceinline__ void qk_norm_rows(float* v, int n, int hd, const floa
   }
 }
 
+// Item (token x head, 32 dimensions) of the splits' merge, by one warp. Loads through the L2
+// (.cg): a block that merges right after its own split (the fused path) may hold lines of an
+// earlier layer's parts in its L1.
+__device__ __forceinline__ void combine_item(const SArgs& a, int bh, int d) {
+  const int hd = a.head_dim, splits = a.splits;
+  constexpr int kRegs = kStageMaxSplits / 32;
+  const float* ml = a.part_ml + size_t(bh) * splits * 2;
+  float m[kRegs], l[kRegs], mx = -FLT_MAX;
+  #pragma unroll
+  for (int r = 0; r < kRegs; ++r) {
+    const int s = r * 32 + stage_lane();
+    m[r] = s < splits ? __ldcg(ml + 2 * s) : -FLT_MAX;
+    l[r] = s < splits ? __ldcg(ml + 2 * s + 1) : 0.0f;
+    mx = fmaxf(mx, m[r]);
+  }
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float total = 0.0f;
+  #pragma unroll
+  for (int r = 0; r < kRegs; ++r) {
+    m[r] = l[r] > 0.0f ? __expf(m[r] - mx) : 0.0f;  // each split's share
+    total += l[r] * m[r];
+  }
+  total = warp_sum(total);
+  const float* pv = a.part + size_t(bh) * splits * hd;
+  float o = 0.0f;
+  // Eight splits' values loaded before the first is used; split s's share is lane s % 32's
+  // m[s / 32] (the eight lie in one register of the array).
+  for (int s0 = 0; s0 < splits; s0 += 8) {
+    float v[8];
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = s0 + j < splits && d < hd ? __ldcg(pv + size_t(s0 + j) * hd + d) : 0.0f;
+    float mr = m[0];
+    #pragma unroll
+    for (int r = 1; r < kRegs; ++r)
+      if (r == s0 / 32) mr = m[r];
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) o += __shfl_sync(0xffffffffu, mr, (s0 + j) & 31) * v[j];
+  }
+  if (d < hd) a.att[size_t(bh) * hd + d] = o / total;
+}
+
 template <int B, class T>
-__device__ void stage_attention_split(const SArgs& a, const DLayer& L, const KvLayer& kv, float* sm) {
+__device__ __noinline__ void stage_attention_split(const SArgs& a, const DLayer& L, const KvLayer& kv, float* sm) {
   const int hd = a.head_dim, nq = a.heads, nkv = a.kv_heads, G = nq / nkv, half = a.rope.rotary_dim / 2;
   const int qkv_row = (nq + 2 * nkv) * hd, splits = a.splits;
   float* s_q = sm;                    // [G][hd], then the key [hd] and the value [hd]
@@ -177,51 +218,32 @@ __device__ void stage_attention_split(const SArgs& a, const DLayer& L, const KvL
       a.part_ml[(base + size_t(threadIdx.x) * splits) * 2] = s_m[threadIdx.x];
       a.part_ml[(base + size_t(threadIdx.x) * splits) * 2 + 1] = s_l[threadIdx.x];
     }
+    if (a.split_done) {  // the fused merge: the last of the group's splits to end merges its heads
+      __shared__ int last;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        __threadfence();  // this block's parts before its count
+        uint32_t* done = a.split_done + b * nkv + kvh;
+        last = atomicAdd(done, 1u) == uint32_t(splits - 1);
+        if (last) *done = 0, __threadfence();  // the next layer counts again; the others' parts after theirs
+      }
+      __syncthreads();
+      if (last) {
+        const int chunks = (hd + 31) / 32;
+        for (int i = stage_warp(); i < G * chunks; i += kStageWarps)
+          combine_item(a, b * nq + kvh * G + i / chunks, (i % chunks) * 32 + stage_lane());
+      }
+    }
     __syncthreads();  // shared memory is the next item's
   }
 }
 
 // The splits merged: a warp per (token, head, 32 dimensions) over the grid.
-__device__ void stage_attention_combine(const SArgs& a) {
-  const int hd = a.head_dim, nq = a.heads, splits = a.splits, chunks = (hd + 31) / 32;
-  const int warps = int(gridDim.x) * kStageWarps, items = a.batch * nq * chunks;
-  constexpr int kRegs = kStageMaxSplits / 32;
-  for (int item = int(blockIdx.x) * kStageWarps + stage_warp(); item < items; item += warps) {
-    const int bh = item / chunks, d = (item % chunks) * 32 + stage_lane();
-    const float* ml = a.part_ml + size_t(bh) * splits * 2;
-    float m[kRegs], l[kRegs], mx = -FLT_MAX;
-    #pragma unroll
-    for (int r = 0; r < kRegs; ++r) {
-      const int s = r * 32 + stage_lane();
-      m[r] = s < splits ? ml[2 * s] : -FLT_MAX;
-      l[r] = s < splits ? ml[2 * s + 1] : 0.0f;
-      mx = fmaxf(mx, m[r]);
-    }
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    float total = 0.0f;
-    #pragma unroll
-    for (int r = 0; r < kRegs; ++r) {
-      m[r] = l[r] > 0.0f ? __expf(m[r] - mx) : 0.0f;  // each split's share
-      total += l[r] * m[r];
-    }
-    total = warp_sum(total);
-    const float* pv = a.part + size_t(bh) * splits * hd;
-    float o = 0.0f;
-    // Eight splits' values loaded before the first is used; split s's share is lane s % 32's
-    // m[s / 32] (the eight lie in one register of the array).
-    for (int s0 = 0; s0 < splits; s0 += 8) {
-      float v[8];
-      #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = s0 + j < splits && d < hd ? pv[size_t(s0 + j) * hd + d] : 0.0f;
-      float mr = m[0];
-      #pragma unroll
-      for (int r = 1; r < kRegs; ++r)
-        if (r == s0 / 32) mr = m[r];
-      #pragma unroll
-      for (int j = 0; j < 8; ++j) o += __shfl_sync(0xffffffffu, mr, (s0 + j) & 31) * v[j];
-    }
-    if (d < hd) a.att[size_t(bh) * hd + d] = o / total;
-  }
+__device__ __noinline__ void stage_attention_combine(const SArgs& a) {
+  const int chunks = (a.head_dim + 31) / 32;
+  const int warps = int(gridDim.x) * kStageWarps, items = a.batch * a.heads * chunks;
+  for (int item = int(blockIdx.x) * kStageWarps + stage_warp(); item < items; item += warps)
+    combine_item(a, item / chunks, (item % chunks) * 32 + stage_lane());
 }
 
 }  // namespace kestrel::cuda

@@ -29,7 +29,7 @@ struct StageRoute {
 inline int stage_route_floats(int batch_max, int experts) { return batch_max * experts; }
 
 template <int B>
-__device__ void stage_select(const SArgs& a, const DMoe& m, StageRoute& r, float* choice) {
+__device__ __noinline__ void stage_select(const SArgs& a, const DMoe& m, StageRoute& r, float* choice) {
   const int E = m.router.experts, K = m.router.top_k;
   for (int i = threadIdx.x; i < 16; i += blockDim.x) r.bits[i] = 0;
   for (int i = threadIdx.x; i < kStageMaxSlots * 8; i += blockDim.x) (&r.weight[0][0])[i] = 0.0f;
@@ -59,7 +59,7 @@ __device__ void stage_select(const SArgs& a, const DMoe& m, StageRoute& r, float
 
 // xn: the normalized rows in shared memory (stage_norm).
 template <int B>
-__device__ void stage_expert_gate_up(const SArgs& a, const DMoe& m, const StageRoute& r, const float* xn) {
+__device__ __noinline__ void stage_expert_gate_up(const SArgs& a, const DMoe& m, const StageRoute& r, const float* xn) {
   constexpr int R = stage_rows<B>();
   const int H = a.hidden, W = m.width, per = (W + R - 1) / R;
   const int routed = r.n * per, shared = m.has_shared ? (m.shared_gate.out + R - 1) / R : 0;
@@ -83,6 +83,7 @@ __device__ __forceinline__ void nvfp4_down_rows(const SArgs& a, const DMoe& m, c
                                                 float (&sum)[R][B], int first, int step) {
   constexpr int kU = 3;
   const int W = m.width, groups = W / 32, pairs = r.n * groups;
+  const uint64_t pol = weight_policy();
   for (int q0 = first + stage_lane(); q0 < pairs; q0 += step * kU) {
     uint4 c[kU][R];
     uint32_t sc[kU][R];
@@ -100,8 +101,8 @@ __device__ __forceinline__ void nvfp4_down_rows(const SArgs& a, const DMoe& m, c
       #pragma unroll
       for (int k = 0; k < R; ++k) {
         const int row = min(row0 + k, D.out - 1);
-        c[u][k] = __ldg(reinterpret_cast<const uint4*>(D.data + size_t(row) * (W / 2)) + g);
-        sc[u][k] = __ldg(reinterpret_cast<const uint16_t*>(D.scales + size_t(row) * (W / 16)) + g);
+        c[u][k] = ld_weights(reinterpret_cast<const uint4*>(D.data + size_t(row) * (W / 2)) + g, pol);
+        sc[u][k] = ld_weights(reinterpret_cast<const uint16_t*>(D.scales + size_t(row) * (W / 16)) + g, pol);
       }
     }
     #pragma unroll
@@ -123,7 +124,7 @@ __device__ __forceinline__ void nvfp4_down_rows(const SArgs& a, const DMoe& m, c
 
 // Block b takes its run of output row groups in rounds, ks warps on each (as stage_linear).
 template <int B>
-__device__ void stage_expert_down(const SArgs& a, const DMoe& m, const StageRoute& r, float* red) {
+__device__ __noinline__ void stage_expert_down(const SArgs& a, const DMoe& m, const StageRoute& r, float* red) {
   constexpr int R = stage_rows<B>();
   const int H = a.hidden, W = m.width;
   // Every expert local (no expert parallelism here) and NVFP4 in whole groups: set at load.

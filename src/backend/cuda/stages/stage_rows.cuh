@@ -23,7 +23,7 @@ constexpr int kStageWarps = kStageThreads / 32;
 // unused columns stay finite). x: global rows of n floats written by other blocks before the
 // barrier; out: shared memory. red: 32 x B floats. Ends with a barrier.
 template <int B>
-__device__ void stage_norm(const float* x, const float* w, int batch, int n, float eps, float* out, float* red) {
+__device__ __noinline__ void stage_norm(const float* x, const float* w, int batch, int n, float eps, float* out, float* red) {
   float ss[B];
   #pragma unroll
   for (int b = 0; b < B; ++b) ss[b] = 0.0f;
@@ -69,6 +69,28 @@ __device__ __forceinline__ void for_row_groups(int groups, F&& f) {
   for (int g = g0 + stage_warp(); g < g1; g += kStageWarps) f(g);
 }
 
+// The L2 policy of the weights' loads (A/B open, KESTREL_STAGE_L2=first: stage_step.cu sets it):
+// evict-first keeps the kernel's code and the activations in the L2 while the weights stream.
+__constant__ uint32_t c_weights_evict_first;
+
+__device__ __forceinline__ uint64_t weight_policy() {
+  uint64_t p;
+  if (c_weights_evict_first) asm("createpolicy.fractional.L2::evict_first.b64 %0, 0f3F800000;" : "=l"(p));
+  else asm("createpolicy.fractional.L2::evict_normal.b64 %0, 0f3F800000;" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ uint4 ld_weights(const uint4* p, uint64_t pol) {
+  uint4 v;
+  asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
+  return v;
+}
+__device__ __forceinline__ uint32_t ld_weights(const uint16_t* p, uint64_t pol) {
+  unsigned short v;
+  asm("ld.global.nc.L2::cache_hint.u16 %0, [%1], %2;" : "=h"(v) : "l"(p), "l"(pol));
+  return v;
+}
+
 // NVFP4 rows whose groups a warp covers in at most kIters steps (K <= 32 x kIters x step, a
 // multiple of 32): every one of the lane's groups loaded before the first is used, so the warp
 // waits for one memory latency instead of one per step through K (rows_dot_partial's loop).
@@ -81,14 +103,15 @@ __device__ __forceinline__ bool nvfp4_rows_deep(const NvRows (&mat)[M], int K, c
   if (K % 32 != 0 || groups > kIters * step) return false;
   uint4 c[kIters][M * R];
   uint32_t sc[kIters][M * R];
+  const uint64_t pol = weight_policy();
   #pragma unroll
   for (int j = 0; j < kIters; ++j) {
     const int g = min(first + stage_lane() + j * step, groups - 1);
     #pragma unroll
     for (int q = 0; q < M * R; ++q) {
       const int row = min(q % R, mat[q / R].last);
-      c[j][q] = __ldg(reinterpret_cast<const uint4*>(mat[q / R].codes + size_t(row) * (K / 2)) + g);
-      sc[j][q] = __ldg(reinterpret_cast<const uint16_t*>(mat[q / R].scales + size_t(row) * (K / 16)) + g);
+      c[j][q] = ld_weights(reinterpret_cast<const uint4*>(mat[q / R].codes + size_t(row) * (K / 2)) + g, pol);
+      sc[j][q] = ld_weights(reinterpret_cast<const uint16_t*>(mat[q / R].scales + size_t(row) * (K / 16)) + g, pol);
     }
   }
   #pragma unroll
@@ -131,7 +154,7 @@ __device__ __forceinline__ void store_rows(const DLinear& W, int row0, const flo
 
 // Rows row0 .. row0 + R - 1 of W by one warp, x: B rows of ldx floats (shared or global memory).
 template <int R, int B>
-__device__ __forceinline__ void stage_linear_rows(const DLinear& W, int row0, const float* x, int ldx, int batch,
+__device__ __noinline__ void stage_linear_rows(const DLinear& W, int row0, const float* x, int ldx, int batch,
                                                   float* y, int ldy, bool accumulate) {
   float acc[R][B];
   #pragma unroll
@@ -158,7 +181,7 @@ __device__ __forceinline__ int stage_split_k(const DLinear& W, int n) {
 // takes its run of row groups in rounds of 16 / ks groups, ks warps on each (the same for every
 // warp of the block: group_sum meets at barriers). red: 16 x R x B floats of shared memory.
 template <int B>
-__device__ void stage_linear(const DLinear& W, const float* x, int ldx, int batch, float* y, int ldy, bool accumulate,
+__device__ __noinline__ void stage_linear(const DLinear& W, const float* x, int ldx, int batch, float* y, int ldy, bool accumulate,
                              float* red) {
   constexpr int R = stage_rows<B>();
   const int groups = (W.out + R - 1) / R, per = (groups + int(gridDim.x) - 1) / int(gridDim.x);
@@ -181,7 +204,7 @@ __device__ void stage_linear(const DLinear& W, const float* x, int ldx, int batc
 
 // silu(gate . x) * (up . x) for rows row0 .. row0 + R - 1 into y[b * ldy + row], b < batch.
 template <int R, int B>
-__device__ __forceinline__ void stage_gated_rows(const DLinear& G, const DLinear& U, int row0, const float* x, int ldx,
+__device__ __noinline__ void stage_gated_rows(const DLinear& G, const DLinear& U, int row0, const float* x, int ldx,
                                                  int batch, float* y, int ldy) {
   float g[R][B], u[R][B];
   #pragma unroll
