@@ -3,8 +3,9 @@
 
 Every fixture is a small random model written in the on-disk layout of the
 matching hub checkpoints (per-expert MoE tensors, ModelOpt / compressed-tensors
-NVFP4, sharded safetensors with an index, ...) together with the float32
-logits that transformers computes for a short random prompt.
+NVFP4, block-scaled / compressed-tensors FP8, sharded safetensors with an
+index, ...) together with the float32 logits that transformers computes for a
+short random prompt.
 
     python3 scripts/make_fixtures.py                      # all fixtures -> tests/fixtures/NAME/
     python3 scripts/make_fixtures.py --only llama-bf16    # a subset
@@ -20,8 +21,8 @@ Files per fixture folder:
 
 The reference is one forward pass of the prompt through the transformers model
 in float32 (eval, eager attention) holding exactly the values stored on disk:
-bf16-rounded tensors, and for NVFP4 the dequantized weights (weight-only, the
-activations are not quantized).
+bf16-rounded tensors, and for NVFP4 and FP8 the dequantized weights (weight-only,
+the activations are not quantized; FP8 codes times their scales in float32).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ SIZE_BUDGET = 4 * 1024 * 1024
 
 FP4_MAX = 6.0
 FP8_MAX = 448.0
+FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 CONFIG_CLASSES = {
@@ -87,7 +89,7 @@ MIN_INDEX_GAP = 2e-3  # smallest allowed gap at every DSA indexer top-k cut
 class Spec:
     name: str
     family: str
-    fmt: str  # "bf16" | "nvfp4-modelopt" | "nvfp4-compressed-tensors"
+    fmt: str  # "bf16" | "nvfp4-modelopt" | "nvfp4-compressed-tensors" | "fp8-block" | "fp8-compressed-tensors"
     seed: int
     config: dict
     generation: dict
@@ -96,7 +98,9 @@ class Spec:
     fused_experts: bool = False  # experts as transformers-5 fused tensors instead of per expert
     legacy_config: bool = False  # hub style of transformers 4.x: torch_dtype, top-level rope_theta
     quant_location: str = "config"  # modelopt: "config" | "hf_quant_config" | "both"
-    exclude: list = field(default_factory=list)  # modelopt exclude_modules / compressed-tensors ignore
+    # modelopt exclude_modules / compressed-tensors ignore / fp8 modules_to_not_convert
+    exclude: list = field(default_factory=list)
+    fp8_scale_dtype: str = "F32"  # FP8 scales as stored: "F32" | "BF16"
     straddle: bool = False  # put one quantized module's tensors into two different shards
     mtp: bool = False  # add the multi-token-prediction layer's weights and reference MTP logits
 
@@ -330,6 +334,60 @@ FIXTURES += [
     ),
 ]
 
+# FP8 (vocabulary 128 to keep them small): every matrix of these tiny models is smaller than 128 in
+# at least one dimension, so most scale blocks are partial; the dense MLPs of DeepSeek-V3 (192) and Qwen3-MoE (160) also have a full
+# 128-row block and one partial, as DeepSeek-V3's kv_a_proj_with_mqa (576 rows) has.
+FIXTURES += [
+    Spec(
+        "deepseekv3-fp8", "deepseek_v3", "fp8-block", 117,
+        _mla(num_hidden_layers=2, vocab_size=128, intermediate_size=192, rope_interleave=True, n_group=2, topk_group=1,
+             rope_parameters=_rope(10000.0)),
+        {"bos_token_id": 0, "eos_token_id": 1},
+        "DeepSeek-V3/R1 FP8 layout: quantization_config {quant_method fp8, fmt e4m3, activation_scheme "
+        "dynamic, weight_block_size [128, 128]} without modules_to_not_convert; every linear of the "
+        "layers (MLA attention included) F8_E4M3 with weight_scale_inv F32 [ceil(out/128), ceil(in/128)]; "
+        "embeddings, lm_head and router BF16. q_lora_rank 32, interleaved rope, layer 0 dense with "
+        "intermediate_size 192 (a full and a partial block of rows), layer 1 MoE with a shared expert.",
+    ),
+    Spec(
+        "glm4moe-fp8", "glm4_moe", "fp8-block", 118,
+        _base(vocab_size=128, head_dim=16, rms_norm_eps=1e-5, moe_intermediate_size=32, n_routed_experts=8,
+              num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
+              norm_topk_prob=True, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
+              num_nextn_predict_layers=0, bos_token_id=120, eos_token_id=[121, 122],
+              rope_parameters=_rope(1000000.0, partial_rotary_factor=0.5)),
+        {"bos_token_id": 120, "eos_token_id": [121, 122]},
+        "GLM-4.5 FP8 style: quant_method fp8 with 128 x 128 blocks, F32 weight_scale_inv; "
+        "modules_to_not_convert [lm_head, model.layers.0.mlp (a module prefix: layer 0's dense MLP stays "
+        "BF16), model.layers.*.self_attn.o_proj (a regular expression)]; q/k/v biases BF16 beside FP8 "
+        "weights, QK norm, partial rotary 0.5, per-expert hub names, layer 1 MoE with a shared expert.",
+        exclude=["lm_head", "model.layers.0.mlp", "model.layers.*.self_attn.o_proj"],
+    ),
+    Spec(
+        "qwen3moe-fp8", "qwen3_moe", "fp8-block", 119,
+        _base(vocab_size=128, head_dim=32, intermediate_size=160, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0], bos_token_id=120, eos_token_id=121,
+              rope_parameters=_rope(1000000.0)),
+        {"bos_token_id": 120, "eos_token_id": 121},
+        "Qwen3-MoE FP8 style: quant_method fp8 with 128 x 128 blocks and weight_scale_inv stored as BF16; "
+        "modules_to_not_convert naming modules in full (lm_head, the embeddings, the router and a norm, "
+        "as Qwen's FP8 configs list them); layer 0 a dense MLP of 160 (a full and a partial block of "
+        "rows), layer 1 MoE.",
+        exclude=["lm_head", "model.embed_tokens", "model.layers.1.mlp.gate", "model.layers.0.input_layernorm"],
+        fp8_scale_dtype="BF16",
+    ),
+    Spec(
+        "qwen3-fp8-ct", "qwen3", "fp8-compressed-tensors", 120,
+        _base(vocab_size=128, head_dim=32, tie_word_embeddings=True, bos_token_id=120, eos_token_id=121, attention_bias=False,
+              rope_parameters=_rope(1000000.0)),
+        {"bos_token_id": 120, "eos_token_id": [121, 122]},
+        "Qwen3, tied embeddings, compressed-tensors float-quantized FP8 as llm-compressor's FP8_DYNAMIC "
+        "scheme writes it: weights F8_E4M3 with weight_scale BF16 [out, 1] per output channel, "
+        "activations dynamic per token (not stored), ignore [lm_head].",
+        exclude=["lm_head"], fp8_scale_dtype="BF16",
+    ),
+]
+
 _SPEED_CFG = dict(
     vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
     num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
@@ -474,7 +532,13 @@ def is_router(module: str) -> bool:
     return module.endswith(".mlp.gate") or module.endswith(".block_sparse_moe.gate")
 
 
-def quantized_modules(hub: dict, patterns: list, ct: bool) -> list:
+def pattern_rule(fmt: str) -> str:
+    """How a format's exclusion entries match module names."""
+    return {"fp8-block": "not_convert", "nvfp4-compressed-tensors": "ct", "fp8-compressed-tensors": "ct"}.get(
+        fmt, "fnmatch")
+
+
+def quantized_modules(hub: dict, patterns: list, rule: str) -> list:
     """Decoder-layer linears that the quantization settings cover."""
     mods = []
     for k, v in hub.items():
@@ -483,16 +547,24 @@ def quantized_modules(hub: dict, patterns: list, ct: bool) -> list:
         mod = k[: -len(".weight")]
         if is_router(mod) or mod.split(".")[-1].endswith("norm"):
             continue
-        if matches_any(mod, patterns, ct):
+        if matches_any(mod, patterns, rule):
             continue
         mods.append(mod)
     return mods
 
 
-def matches_any(module: str, patterns: list, ct: bool) -> bool:
+def matches_any(module: str, patterns: list, rule: str) -> bool:
     for p in patterns:
-        if ct and p.startswith("re:"):
+        if rule == "not_convert":
+            # transformers' modules_to_not_convert: a regex from the start of the name up to a
+            # module boundary, or a suffix of the name
+            if re.match(rf"(?:{p})(?:(?<=\.)|(?=\.|$))", module) or module.endswith(p):
+                return True
+        elif rule == "ct" and p.startswith("re:"):
             if re.match(p[3:], module):
+                return True
+        elif rule == "ct":
+            if module == p:
                 return True
         elif fnmatch.fnmatchcase(module, p):
             return True
@@ -553,6 +625,77 @@ def quantize_nvfp4(w: torch.Tensor, ct: bool) -> tuple[dict, torch.Tensor]:
             "input_scale": torch.tensor(4.0 / (FP4_MAX * FP8_MAX), dtype=torch.float32),
         }
     return tensors, deq.to(torch.float32)
+
+
+# --------------------------------------------------------------------------------------
+# FP8
+# --------------------------------------------------------------------------------------
+
+def quantize_fp8(w: torch.Tensor, scaling: str, scale_dtype: str) -> tuple[dict, torch.Tensor]:
+    """w: float32 [N, K]; scaling "block" (one scale per 128 x 128 block, partial at the edges, as
+    DeepSeek-V3: scale = amax / 448, stored as weight_scale_inv) or "channel" (one per row, as
+    compressed-tensors: weight_scale [N, 1]). code = E4M3(w / scale), round to nearest even,
+    saturating; a block of zeros has scale 0 and zero codes. Returns (tensors as stored, the
+    dequantized float32 [N, K] = code x scale in float32)."""
+    n, k = w.shape
+    if scaling == "block":
+        sr, sc = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+        padded = torch.zeros(sr * FP8_BLOCK, sc * FP8_BLOCK, dtype=torch.float32)
+        padded[:n, :k] = w
+        scale = padded.abs().reshape(sr, FP8_BLOCK, sc, FP8_BLOCK).amax(dim=(1, 3)) / FP8_MAX
+    else:
+        scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    if scale_dtype == "BF16":
+        scale = bf16_round(scale)
+    full = scale
+    if scaling == "block":
+        full = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:n, :k]
+    full = full.expand(n, k)
+    x = torch.where(full > 0, w / torch.where(full > 0, full, 1.0), 0.0).clamp(-FP8_MAX, FP8_MAX)
+    codes = x.to(torch.float8_e4m3fn)
+    deq = codes.to(torch.float32) * full
+    stored = scale.to(torch.bfloat16 if scale_dtype == "BF16" else torch.float32).contiguous()
+    name = "weight_scale_inv" if scaling == "block" else "weight_scale"
+    return {"weight": codes.contiguous(), name: stored}, deq.contiguous()
+
+
+def fp8_block_config(not_convert: list) -> dict:
+    q = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+         "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    if not_convert:
+        q["modules_to_not_convert"] = list(not_convert)
+    return q
+
+
+def compressed_tensors_fp8_config(ignore: list) -> dict:
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel", "group_size": None,
+               "symmetric": True, "dynamic": False, "actorder": None, "block_structure": None,
+               "observer": "minmax", "observer_kwargs": {}}
+    inputs = {"num_bits": 8, "type": "float", "strategy": "token", "group_size": None,
+              "symmetric": True, "dynamic": True, "actorder": None, "block_structure": None,
+              "observer": None, "observer_kwargs": {}}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                      "input_activations": inputs, "output_activations": None,
+                                      "format": "float-quantized"}},
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": "0.12.2",
+    }
+
+
+def quantize_weight(w: torch.Tensor, spec: Spec) -> tuple[dict, torch.Tensor]:
+    if spec.fmt == "fp8-block":
+        return quantize_fp8(w, "block", spec.fp8_scale_dtype)
+    if spec.fmt == "fp8-compressed-tensors":
+        return quantize_fp8(w, "channel", spec.fp8_scale_dtype)
+    return quantize_nvfp4(w, spec.fmt == "nvfp4-compressed-tensors")
 
 
 def modelopt_settings(exclude: list) -> dict:
@@ -773,6 +916,10 @@ def config_json(spec: Spec, config) -> dict:
         d["quantization_config"] = {"quant_method": "modelopt", **modelopt_settings(spec.exclude)}
     elif spec.fmt == "nvfp4-compressed-tensors":
         d["quantization_config"] = compressed_tensors_config(spec.exclude)
+    elif spec.fmt == "fp8-block":
+        d["quantization_config"] = fp8_block_config(spec.exclude)
+    elif spec.fmt == "fp8-compressed-tensors":
+        d["quantization_config"] = compressed_tensors_fp8_config(spec.exclude)
     return dict(sorted(d.items()))
 
 
@@ -893,13 +1040,33 @@ def e2m1_decode(nibbles: np.ndarray) -> np.ndarray:
     return lut[nibbles]
 
 
+def fp8_dequant(codes: np.ndarray, scale: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """code x scale in float32, a scale per block of rows x cols ([ceil(N/rows), ceil(K/cols)])."""
+    n, k = codes.shape
+    s = scale.reshape(-(-n // rows), -(-k // cols)).astype(np.float32)
+    full = np.repeat(np.repeat(s, rows, axis=0), cols, axis=1)[:n, :k]
+    return e4m3_decode(codes).astype(np.float32) * full
+
+
 def dequantize_readback(tensors: dict, fmt: str) -> tuple[dict, set]:
     """Dense float64 weights from the read-back tensors; returns (hub dict, quantized module names)."""
     ct = fmt == "nvfp4-compressed-tensors"
     packed_suffix = ".weight_packed" if ct else ".weight"
     out, quant = {}, set()
     for name, (dt, arr) in tensors.items():
-        if dt == "U8" and name.endswith(packed_suffix):
+        if dt == "F8_E4M3" and name.endswith(".weight") and fmt.startswith("fp8"):
+            mod = name[: -len(".weight")]
+            quant.add(mod)
+            sdt, s = tensors[mod + (".weight_scale_inv" if fmt == "fp8-block" else ".weight_scale")]
+            assert sdt in ("F32", "BF16"), mod
+            n, k = arr.shape
+            if fmt == "fp8-block":
+                assert s.shape == (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), (mod, s.shape)
+                out[name] = fp8_dequant(arr, s, FP8_BLOCK, FP8_BLOCK).astype(np.float64)
+            else:
+                assert s.shape == (n, 1), (mod, s.shape)
+                out[name] = fp8_dequant(arr, s, 1, k).astype(np.float64)
+        elif dt == "U8" and name.endswith(packed_suffix):
             mod = name[: -len(packed_suffix)]
             quant.add(mod)
             n, half = arr.shape
@@ -924,7 +1091,8 @@ def dequantize_readback(tensors: dict, fmt: str) -> tuple[dict, set]:
             assert dt in ("F8_E4M3", "F32", "U8"), (name, dt)
     for name, (dt, arr) in tensors.items():
         is_aux = any(name.endswith(s) for s in (".weight_scale", ".weight_scale_2", ".input_scale",
-                                                 ".weight_global_scale", ".input_global_scale"))
+                                                 ".weight_global_scale", ".input_global_scale",
+                                                 ".weight_scale_inv"))
         if is_aux:
             assert name.rsplit(".", 1)[0] in quant, f"orphan {name}"
             out.pop(name, None)
@@ -938,7 +1106,6 @@ def dequantize_readback(tensors: dict, fmt: str) -> tuple[dict, set]:
 def make_fixture(spec: Spec, out_root: Path, seed_offset: int, verify: bool) -> dict:
     config = make_config(spec)
     tied = bool(config.tie_word_embeddings)
-    ct = spec.fmt == "nvfp4-compressed-tensors"
     quantize = spec.fmt != "bf16"
     base_seed = spec.seed + 1_000_003 * seed_offset
 
@@ -951,11 +1118,11 @@ def make_fixture(spec: Spec, out_root: Path, seed_offset: int, verify: bool) -> 
         hub = to_hub(model.state_dict(), spec.family, spec.fused_experts, tied)
 
         files, ref_hub = {}, {}
-        qmods = set(quantized_modules(hub, spec.exclude, ct)) if quantize else set()
+        qmods = set(quantized_modules(hub, spec.exclude, pattern_rule(spec.fmt))) if quantize else set()
         for name, v in hub.items():
             mod = name[: -len(".weight")] if name.endswith(".weight") else None
             if mod in qmods:
-                qt, deq = quantize_nvfp4(v, ct)
+                qt, deq = quantize_weight(v, spec)
                 for suffix, t in qt.items():
                     files[f"{mod}.{suffix}"] = t
                 ref_hub[name] = deq
@@ -1025,7 +1192,7 @@ def make_fixture(spec: Spec, out_root: Path, seed_offset: int, verify: bool) -> 
     check = ""
     if verify:
         check = verify_bf16(folder, spec, logits) if spec.fmt == "bf16" else \
-            verify_nvfp4(folder, spec, ref_hub, logits, tied)
+            verify_quantized(folder, spec, ref_hub, logits, tied)
 
     size = sum(f.stat().st_size for f in folder.iterdir())
     n_params = sum(v.numel() for v in hub.values())
@@ -1055,16 +1222,16 @@ def verify_bf16(folder: Path, spec: Spec, ref: torch.Tensor) -> str:
     return f"from_pretrained rel_l2 {err:.1e}"
 
 
-def verify_nvfp4(folder: Path, spec: Spec, ref_hub: dict, ref: torch.Tensor, tied: bool) -> str:
-    ct = spec.fmt == "nvfp4-compressed-tensors"
+def verify_quantized(folder: Path, spec: Spec, ref_hub: dict, ref: torch.Tensor, tied: bool) -> str:
     tensors = strip_sizes(read_checkpoint(folder))
     dense, quant = dequantize_readback(tensors, spec.fmt)
 
     # the quantization settings on disk must describe exactly the quantized modules
     cfg_file = json.loads((folder / "config.json").read_text())
-    if ct:
-        qc = cfg_file["quantization_config"]
-        patterns = qc["ignore"]
+    if spec.fmt in ("nvfp4-compressed-tensors", "fp8-compressed-tensors"):
+        patterns = cfg_file["quantization_config"]["ignore"]
+    elif spec.fmt == "fp8-block":
+        patterns = cfg_file["quantization_config"].get("modules_to_not_convert", [])
     else:
         sources = []
         if "quantization_config" in cfg_file:
@@ -1074,7 +1241,7 @@ def verify_nvfp4(folder: Path, spec: Spec, ref_hub: dict, ref: torch.Tensor, tie
             sources.append(json.loads(hqc.read_text())["quantization"]["exclude_modules"])
         assert sources and all(s == sources[0] for s in sources), "missing or conflicting settings"
         patterns = sources[0]
-    expected = set(quantized_modules(dense, patterns, ct))
+    expected = set(quantized_modules(dense, patterns, pattern_rule(spec.fmt)))
     if expected != quant:
         raise RuntimeError(f"{spec.name}: quantized set mismatch {sorted(expected ^ quant)[:6]}")
 
@@ -1107,7 +1274,7 @@ def verify_nvfp4(folder: Path, spec: Spec, ref_hub: dict, ref: torch.Tensor, tie
     err = max(rel_l2(got[t], ref[t]) for t in range(ref.shape[0]))
     if not err < 1e-5:
         raise RuntimeError(f"{spec.name}: read-back logits differ, rel L2 {err:.2e}")
-    return f"{len(quant)} nvfp4 modules, dequant max rel {worst:.0e}, read-back rel_l2 {err:.1e}"
+    return f"{len(quant)} {spec.fmt} modules, dequant max rel {worst:.0e}, read-back rel_l2 {err:.1e}"
 
 
 # --------------------------------------------------------------------------------------

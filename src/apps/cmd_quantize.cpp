@@ -1,7 +1,8 @@
 // kestrel quantize: a Hugging Face folder (BF16/F16/F32) or a GGUF file written as an NVFP4
 // checkpoint in the NVIDIA ModelOpt layout, with input scales from a calibration text run through
-// the CPU reference. `--format bf16` writes a GGUF's weights dequantized instead (a Hugging Face
-// folder to compare against). docs/QUANTIZE.md describes the algorithm.
+// the CPU reference, or (`--format fp8`) as block-scaled FP8 in DeepSeek-V3's layout. `--format
+// bf16` writes a GGUF's weights dequantized instead (a Hugging Face folder to compare against).
+// docs/QUANTIZE.md describes the algorithms.
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -122,21 +123,26 @@ Run add_quantize(CLI::App& app) {
   app.add_option("--out", o->out, "Folder to write the checkpoint into (new or empty)")->required();
   app.add_option("--exclude", o->exclude,
                  "Module pattern to keep dense, fnmatch-style, repeatable (e.g. 'model.layers.*.self_attn*'); "
-                 "added to the defaults lm_head and the MoE routers");
+                 "added to the defaults lm_head and the MoE routers. With --format fp8: a modules_to_not_convert "
+                 "entry (a module name, or a regular expression matching from the name's start)");
   app.add_option("--calib", o->calib, "Calibration text for the input scales (default: a built-in English text)");
   app.add_option("--calib-tokens", o->calib_tokens, "Calibration token ids instead of a text, e.g. 1,2,3");
   app.add_option("--calib-max-tokens", o->calib_max_tokens, "Most calibration tokens to run (default 4096)");
-  app.add_option("--format", o->format, "nvfp4 (default) or bf16 (no quantization: a GGUF's weights dequantized)");
+  app.add_option("--format", o->format,
+                 "nvfp4 (default), fp8 (E4M3 with a scale per 128 x 128 block, as DeepSeek-V3) or bf16 (no "
+                 "quantization: a GGUF's weights dequantized)");
   app.add_option("--shard-size", o->shard_size, "Largest shard, e.g. 5GB (default), 500MB");
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   return [o]() {
     const auto t0 = std::chrono::steady_clock::now();
-    if (o->format != "nvfp4" && o->format != "bf16") fail("--format: expected nvfp4 or bf16, got '", o->format, "'");
+    if (o->format != "nvfp4" && o->format != "fp8" && o->format != "bf16")
+      fail("--format: expected nvfp4, fp8 or bf16, got '", o->format, "'");
     if (o->calib_max_tokens < 1) fail("--calib-max-tokens: must be positive, got ", o->calib_max_tokens);
     if (!o->calib.empty() && !o->calib_tokens.empty()) fail("--calib and --calib-tokens: give one of them");
-    const bool nvfp4 = o->format == "nvfp4";
-    if (!nvfp4 && (!o->calib.empty() || !o->calib_tokens.empty() || !o->exclude.empty()))
-      fail("--format bf16 quantizes nothing: --calib, --calib-tokens and --exclude do not apply");
+    const bool nvfp4 = o->format == "nvfp4", fp8 = o->format == "fp8";
+    if (!nvfp4 && (!o->calib.empty() || !o->calib_tokens.empty()))
+      fail("--format ", o->format, " calibrates nothing: --calib and --calib-tokens do not apply");
+    if (!nvfp4 && !fp8 && !o->exclude.empty()) fail("--format bf16 quantizes nothing: --exclude does not apply");
     const uint64_t shard_bytes = parse_size(o->shard_size, "--shard-size");
     if (!fs::exists(o->model)) fail(o->model, ": no such file or folder");
     std::error_code ec;
@@ -168,7 +174,7 @@ Run add_quantize(CLI::App& app) {
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count());
     }
     WriteOptions wo;
-    wo.nvfp4 = nvfp4;
+    wo.format = nvfp4 ? WriteFormat::Nvfp4 : fp8 ? WriteFormat::Fp8 : WriteFormat::Bf16;
     wo.exclude = o->exclude;
     wo.input_amax = &input_amax;
     wo.shard_bytes = shard_bytes;
@@ -180,13 +186,13 @@ Run add_quantize(CLI::App& app) {
     getrusage(RUSAGE_SELF, &ru);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::fprintf(stderr,
-                 "wrote %s: %d tensors in %d shard(s), %.1f MB, %d linears NVFP4, in %.1f s (peak resident %.0f MB)\n",
-                 o->out.c_str(), s.tensors, s.shards, double(s.bytes) / 1e6, s.quantized, secs,
+                 "wrote %s: %d tensors in %d shard(s), %.1f MB, %d linears %s, in %.1f s (peak resident %.0f MB)\n",
+                 o->out.c_str(), s.tensors, s.shards, double(s.bytes) / 1e6, s.quantized, fp8 ? "FP8" : "NVFP4", secs,
                  double(ru.ru_maxrss) / 1024.0);
-    if (nvfp4) {
+    if (nvfp4 || fp8) {
       std::string ex;
       for (const auto& e : s.exclude) ex += (ex.empty() ? "" : ", ") + e;
-      std::fprintf(stderr, "exclude_modules: %s\n", ex.c_str());
+      std::fprintf(stderr, "%s: %s\n", fp8 ? "modules_to_not_convert" : "exclude_modules", ex.c_str());
     }
     return 0;
   };

@@ -1,6 +1,8 @@
 #include "formats/quant_config.h"
 
+#include <algorithm>
 #include <filesystem>
+#include <map>
 #include <regex>
 
 #include "common/error.h"
@@ -61,10 +63,43 @@ bool glob_match(const std::string& p, const std::string& t) {
   return pi == p.size();
 }
 
+bool not_convert_match(const std::string& entry, const std::string& module) {
+  if (entry.empty()) return false;
+  const size_t n = entry.size();
+  if (module.size() >= n && module.compare(module.size() - n, n, entry) == 0) return true;
+  // The boundary: the match ends the name, is followed by '.', or its last character is '.'.
+  auto boundary = [&](size_t end) { return end == module.size() || module[end] == '.' || module[end - 1] == '.'; };
+  if (entry.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.") == std::string::npos) {
+    // Names (the usual entries) need no regex engine: as a pattern, '.' matches any character.
+    if (module.size() < n) return false;
+    for (size_t i = 0; i < n; ++i)
+      if (entry[i] != '.' && entry[i] != module[i]) return false;
+    return boundary(n);
+  }
+  // Compiled once per entry and thread (a model has thousands of linears), a few hundred kept.
+  thread_local std::map<std::string, std::pair<std::regex, std::regex>> compiled;
+  auto it = compiled.find(entry);
+  if (it == compiled.end()) {
+    if (compiled.size() >= 256) compiled.clear();
+    // ECMAScript has no lookbehind: a match ending in '.' is checked on the match itself.
+    it = compiled.emplace(entry, std::pair{std::regex("^(?:" + entry + ")(?=\\.|$)"), std::regex("^(?:" + entry + ")")})
+             .first;
+  }
+  std::smatch m;
+  return std::regex_search(module, it->second.first) ||
+         (std::regex_search(module, m, it->second.second) && m.length(0) > 0 && boundary(size_t(m.length(0))));
+}
+
 bool QuantConfig::quantizes(const std::string& module) const {
   if (method == QuantMethod::None) return false;
   for (const auto& e : exclude) {
-    if (method == QuantMethod::CompressedTensors) {
+    if (method == QuantMethod::Fp8) {
+      try {
+        if (not_convert_match(e, module)) return false;
+      } catch (const std::regex_error&) {
+        fail(source, ": modules_to_not_convert entry '", e, "' is not a valid regular expression");
+      }
+    } else if (method == QuantMethod::CompressedTensors) {
       if (e.rfind("re:", 0) == 0) {
         // Python's re.match: anchored at the start only.
         try {
@@ -82,12 +117,40 @@ bool QuantConfig::quantizes(const std::string& module) const {
   return true;
 }
 
+Fp8Blocks QuantConfig::fp8_blocks(int64_t out, int64_t in) const {
+  switch (fp8_scaling) {
+    case Fp8Scaling::Block: return fp8_block;
+    case Fp8Scaling::Channel: return {1, std::max<int64_t>(in, 1)};
+    case Fp8Scaling::Tensor: return {std::max<int64_t>(out, 1), std::max<int64_t>(in, 1)};
+  }
+  return fp8_block;
+}
+
+const char* QuantConfig::exclude_key() const {
+  switch (method) {
+    case QuantMethod::ModelOpt: return "exclude_modules";
+    case QuantMethod::CompressedTensors: return "ignore";
+    case QuantMethod::Fp8: return "modules_to_not_convert";
+    case QuantMethod::None: break;
+  }
+  return "the exclusions";
+}
+
 std::string QuantConfig::describe() const {
   if (method == QuantMethod::None) return "none";
-  std::string s = cat(method == QuantMethod::ModelOpt ? "ModelOpt " : "compressed-tensors ", algo,
-                      " (group ", group_size, ", from ", fs::path(source).filename().string(), ")");
+  const std::string from = fs::path(source).filename().string();
+  std::string s;
+  if (is_fp8()) {
+    const std::string scaling = fp8_scaling == Fp8Scaling::Channel ? "per channel"
+                                : fp8_scaling == Fp8Scaling::Tensor ? "per tensor"
+                                                                    : cat("blocks ", fp8_block.rows, " x ", fp8_block.cols);
+    s = cat(method == QuantMethod::Fp8 ? "" : "compressed-tensors ", "FP8 E4M3 (", scaling, ", from ", from, ")");
+  } else {
+    s = cat(method == QuantMethod::ModelOpt ? "ModelOpt " : "compressed-tensors ", algo, " (group ", group_size,
+            ", from ", from, ")");
+  }
   if (!exclude.empty()) {
-    s += method == QuantMethod::ModelOpt ? ", excluded:" : ", ignored:";
+    s += method == QuantMethod::ModelOpt ? ", excluded:" : method == QuantMethod::Fp8 ? ", not converted:" : ", ignored:";
     for (const auto& e : exclude) s += " " + e;
   }
   return s;
@@ -122,32 +185,103 @@ QuantConfig modelopt(const nlohmann::json& q, const std::string& file) {
   return c;
 }
 
+// A [rows, cols] block size of positive integers.
+Fp8Blocks block_size(const nlohmann::json& j, const std::string& where) {
+  if (!j.is_array() || j.size() != 2 || !j[0].is_number_integer() || !j[1].is_number_integer() ||
+      j[0].get<int64_t>() < 1 || j[1].get<int64_t>() < 1)
+    fail(where, ": expected [rows, columns] of positive integers, got ", j.dump());
+  return {j[0].get<int64_t>(), j[1].get<int64_t>()};
+}
+
+// The FP8 weight settings of one compressed-tensors group: 8-bit float, symmetric, static scales
+// per tensor, channel or block. Activation settings are not read: kestrel computes weight-only.
+void ct_fp8_weights(const nlohmann::json& w, const std::string& where, QuantConfig& c, bool first) {
+  JsonFields wf(w, where);
+  if (wf.get_int("num_bits", 0) != 8 || wf.get_str("type", "") != "float")
+    fail(where, ": float-quantized weights must be 8-bit float (FP8 E4M3)");
+  if (auto sym = w.find("symmetric"); sym != w.end() && !sym->is_null() && *sym != true)
+    fail(where, ": asymmetric FP8 weights are not supported");
+  if (auto dyn = w.find("dynamic"); dyn != w.end() && !dyn->is_null() && *dyn != false)
+    fail(where, ": dynamic weight scales are not supported");
+  const std::string strategy = wf.get_str("strategy", "");
+  Fp8Scaling scaling;
+  Fp8Blocks block;
+  if (strategy == "tensor") {
+    scaling = Fp8Scaling::Tensor;
+  } else if (strategy == "channel") {
+    scaling = Fp8Scaling::Channel;
+  } else if (strategy == "block") {
+    scaling = Fp8Scaling::Block;
+    auto bs = w.find("block_structure");
+    if (bs == w.end()) fail(where, ": strategy 'block' without block_structure");
+    block = block_size(*bs, where + ".block_structure");
+  } else {
+    fail(where, ": FP8 weight strategy '", strategy, "' is not supported (tensor, channel or block)");
+  }
+  if (!first && (scaling != c.fp8_scaling || block.rows != c.fp8_block.rows || block.cols != c.fp8_block.cols))
+    fail(where, ": config groups with different FP8 weight scales are not supported");
+  c.fp8_scaling = scaling;
+  c.fp8_block = block;
+}
+
 QuantConfig compressed_tensors(const nlohmann::json& q, const std::string& file) {
   QuantConfig c;
   c.method = QuantMethod::CompressedTensors;
   c.source = file;
   JsonFields f(q, file);
   const std::string format = f.get_str("format", "");
-  if (format != "nvfp4-pack-quantized")
-    fail(file, ": compressed-tensors format '", format, "' is not supported (only nvfp4-pack-quantized)");
-  c.algo = "NVFP4";
+  if (format != "nvfp4-pack-quantized" && format != "float-quantized")
+    fail(file, ": compressed-tensors format '", format,
+         "' is not supported (nvfp4-pack-quantized or float-quantized)");
+  c.algo = format == "float-quantized" ? "FP8" : "NVFP4";
   auto groups = q.find("config_groups");
   if (groups == q.end() || !groups->is_object() || groups->empty())
     fail(file, ": compressed-tensors quantization_config has no config_groups");
+  bool first = true;
   for (const auto& [gname, g] : groups->items()) {
     const std::string where = cat(file, ": config_groups.", gname);
+    if (!g.is_object()) fail(where, ": must be an object");
     auto w = g.find("weights");
     if (w == g.end() || !w->is_object()) fail(where, ": missing 'weights'");
-    JsonFields wf(*w, where);
-    if (wf.get_int("num_bits", 0) != 4 || wf.get_str("type", "") != "float")
-      fail(where, ".weights: only 4-bit float (NVFP4) weights are supported");
-    c.group_size = int(wf.get_int("group_size", 16));
-    if (c.group_size != 16) fail(where, ".weights: group_size must be 16, got ", c.group_size);
+    if (c.is_fp8()) {
+      ct_fp8_weights(*w, where + ".weights", c, first);
+    } else {
+      JsonFields wf(*w, where);
+      if (wf.get_int("num_bits", 0) != 4 || wf.get_str("type", "") != "float")
+        fail(where, ".weights: only 4-bit float (NVFP4) weights are supported");
+      c.group_size = int(wf.get_int("group_size", 16));
+      if (c.group_size != 16) fail(where, ".weights: group_size must be 16, got ", c.group_size);
+    }
+    first = false;
     auto targets = string_list(g, "targets", where);
     for (const auto& t : targets)
       if (t != "Linear") fail(where, ": target '", t, "' is not supported (only \"Linear\")");
   }
   c.exclude = string_list(q, "ignore", file);
+  return c;
+}
+
+// quant_method "fp8": E4M3 weights with weight_scale_inv per block of weight_block_size
+// (DeepSeek-V3/R1: [128, 128]); activations quantized on the fly by GPU servers, which kestrel
+// does not do (weight-only). modules_to_not_convert (or vLLM's ignored_layers) stay unquantized.
+QuantConfig fp8(const nlohmann::json& q, const std::string& file) {
+  QuantConfig c;
+  c.method = QuantMethod::Fp8;
+  c.source = file;
+  c.algo = "FP8";
+  JsonFields f(q, file);
+  const std::string fmt = f.get_str("fmt", "e4m3");
+  if (fmt != "e4m3") fail(file, ": quantization_config.fmt '", fmt, "' is not supported (only e4m3)");
+  const std::string act = f.get_str("activation_scheme", "dynamic");
+  if (act != "dynamic" && act != "static")
+    fail(file, ": quantization_config.activation_scheme '", act, "' is not supported (dynamic or static)");
+  auto bs = q.find("weight_block_size");
+  if (bs == q.end() || bs->is_null())
+    fail(file, ": quantization_config.weight_block_size is missing (kestrel reads block-scaled FP8, e.g. [128, 128])");
+  c.fp8_scaling = Fp8Scaling::Block;
+  c.fp8_block = block_size(*bs, file + ": quantization_config.weight_block_size");
+  c.exclude = string_list(q, "modules_to_not_convert", file);
+  for (const auto& e : string_list(q, "ignored_layers", file)) c.exclude.push_back(e);
   return c;
 }
 
@@ -167,7 +301,9 @@ QuantConfig load_quant_config(const std::string& dir, const nlohmann::json& conf
   const std::string method = JsonFields(*q, config_path).get_str("quant_method", "");
   if (method == "modelopt") return modelopt(*q, config_path);
   if (method == "compressed-tensors") return compressed_tensors(*q, config_path);
-  fail(config_path, ": quantization_config.quant_method '", method, "' is not supported (modelopt or compressed-tensors)");
+  if (method == "fp8") return fp8(*q, config_path);
+  fail(config_path, ": quantization_config.quant_method '", method,
+       "' is not supported (modelopt, compressed-tensors or fp8)");
 }
 
 }  // namespace kestrel

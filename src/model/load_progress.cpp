@@ -14,11 +14,14 @@
 namespace kestrel {
 namespace {
 
-// The byte ranges a matrix view covers: its rows, and for NVFP4 its separate block scales.
+// The byte ranges a matrix view covers: its rows, and for NVFP4 and FP8 its separate scales.
 void add_ranges(const Linear& l, std::vector<std::pair<const uint8_t*, size_t>>& out) {
   if (l.format == WeightFormat::NVFP4) {
     out.push_back({l.data, size_t(l.out) * size_t(l.in / 2)});
     out.push_back({l.scales, size_t(l.out) * size_t(l.in / kNvfp4Block)});
+  } else if (l.format == WeightFormat::FP8) {
+    out.push_back({l.data, size_t(l.out) * size_t(l.in)});
+    out.push_back({l.scales, l.scale_bytes()});
   } else {
     out.push_back({l.data, l.bytes()});
   }

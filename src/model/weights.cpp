@@ -18,6 +18,7 @@ const char* format_name(WeightFormat f) {
     case WeightFormat::F16: return "F16";
     case WeightFormat::BF16: return "BF16";
     case WeightFormat::NVFP4: return "NVFP4";
+    case WeightFormat::FP8: return "FP8";
     case WeightFormat::Q8_0: return "Q8_0";
     case WeightFormat::Q4_0: return "Q4_0";
     case WeightFormat::Q4_1: return "Q4_1";
@@ -65,6 +66,7 @@ size_t Linear::row_bytes() const {
     case WeightFormat::F16:
     case WeightFormat::BF16: return size_t(in) * 2;
     case WeightFormat::NVFP4: return size_t(in) / 2 + size_t(in) / kNvfp4Block;
+    case WeightFormat::FP8: return size_t(in);
     default: {
       const GgmlTypeInfo* t = ggml_type_info(uint32_t(ggml_type_of(format)));
       return size_t(in) / t->block * t->bytes;
@@ -78,11 +80,17 @@ int64_t Linear::block() const {
     case WeightFormat::F16:
     case WeightFormat::BF16: return 1;
     case WeightFormat::NVFP4: return kNvfp4Block;
+    case WeightFormat::FP8: return fp8.cols;
     default: return ggml_type_info(uint32_t(ggml_type_of(format)))->block;
   }
 }
 
-size_t Linear::bytes() const { return row_bytes() * size_t(out); }
+size_t Linear::scale_bytes() const {
+  if (format != WeightFormat::FP8) return 0;
+  return size_t(fp8.scale_rows(out)) * size_t(fp8.scale_cols(in)) * (fp8_bf16_scales ? 2 : 4);
+}
+
+size_t Linear::bytes() const { return row_bytes() * size_t(out) + scale_bytes(); }
 
 void Linear::dequant_row(int64_t row, float* o) const {
   switch (format) {
@@ -111,6 +119,11 @@ void Linear::dequant_row(int64_t row, float* o) const {
       nvfp4_dequant_row(data + size_t(row) * size_t(in / 2), scales + size_t(row) * size_t(in / kNvfp4Block), scale2,
                         in, o);
       return;
+    case WeightFormat::FP8: {
+      const size_t scale_row = size_t(row / fp8.rows) * size_t(fp8.scale_cols(in)) * (fp8_bf16_scales ? 2 : 4);
+      fp8_dequant_row(data + size_t(row) * size_t(in), scales + scale_row, fp8_bf16_scales, fp8.cols, in, o);
+      return;
+    }
     default:
       ggml_dequant_row(ggml_type_of(format), data + size_t(row) * row_bytes(), in, o);
       if (scale2 != 1.0f)
@@ -203,14 +216,13 @@ class Loader {
     Linear l;
     const QuantConfig& q = cfg_.quant;
     if (q.quantizes(module)) {
-      l = nvfp4(module, out, in);
+      l = q.is_fp8() ? fp8(module, out, in) : nvfp4(module, out, in);
     } else {
-      const std::string wname = module + ".weight";
-      if (ck_.has(module + ".weight_scale") || ck_.has(module + ".weight_packed"))
-        fail(ck_.get(ck_.has(module + ".weight_scale") ? module + ".weight_scale" : module + ".weight_packed").where(),
-             ": module is stored quantized but ", q.is_quantized() ? q.source : cfg_.source,
-             " does not quantize it (excluded or no quantization settings)");
-      l = dense(module, wname, out, in);
+      for (const char* aux : {".weight_scale", ".weight_packed", ".weight_scale_inv"})
+        if (const TensorView* t = ck_.find(module + aux))
+          fail(t->where(), ": module is stored quantized but ", q.is_quantized() ? q.source : cfg_.source,
+               " does not quantize it (excluded or no quantization settings)");
+      l = dense(module, module + ".weight", out, in);
     }
     if (bias) l.bias = vec(module + ".bias", out);
     return l;
@@ -255,23 +267,51 @@ class Loader {
   }
 
  private:
+  // The stored weight's dtype is dense where the settings say quantized.
+  [[noreturn]] void dense_but_quantized(const TensorView& w, const char* format) {
+    const QuantConfig& q = cfg_.quant;
+    fail(w.where(), ": stored as ", dtype_name(w.dtype), " but ", q.source, " says this module is ", format,
+         " (is it missing from ", q.exclude_key(), "?)");
+  }
+
+  // FP8 E4M3 codes in `weight`, their scales in `weight_scale_inv` (quant_method fp8) or
+  // `weight_scale` (compressed-tensors); input scales of static activation schemes are not read.
+  Linear fp8(const std::string& module, int64_t out, int64_t in) {
+    const QuantConfig& q = cfg_.quant;
+    const std::string wname = module + ".weight";
+    const std::string sname = module + (q.method == QuantMethod::Fp8 ? ".weight_scale_inv" : ".weight_scale");
+    const TensorView* w = ck_.find(wname);
+    if (!w) fail(ck_.dir(), ": missing tensor '", wname, "' (FP8 module per ", q.source, ")");
+    if (dense_format(w->dtype)) dense_but_quantized(*w, "FP8");
+    const TensorView* s = ck_.find(sname);
+    if (!s) fail(w->where(), ": FP8 weight without its scales (missing tensor '", sname, "')");
+    const Fp8Blocks blocks = q.fp8_blocks(out, in);
+    const Fp8Matrix m = read_fp8_matrix(*w, *s, out, in, blocks);
+    Linear l;
+    l.name = module;
+    l.out = out;
+    l.in = in;
+    l.format = WeightFormat::FP8;
+    l.data = m.codes;
+    l.scales = m.scales;
+    l.fp8 = blocks;
+    l.fp8_bf16_scales = m.bf16_scales;
+    return l;
+  }
+
   Linear nvfp4(const std::string& module, int64_t out, int64_t in) {
     const QuantConfig& q = cfg_.quant;
     const bool ct = q.method == QuantMethod::CompressedTensors;
     const std::string wname = module + (ct ? ".weight_packed" : ".weight");
     const TensorView* w = ck_.find(wname);
     if (!w) {
-      if (const TensorView* plain = ck_.find(module + ".weight"))
-        fail(plain->where(), ": stored as ", dtype_name(plain->dtype), " but ", q.source,
-             " says this module is NVFP4 (is it missing from the exclude list?)");
+      if (const TensorView* plain = ck_.find(module + ".weight")) dense_but_quantized(*plain, "NVFP4");
       fail(ck_.dir(), ": missing tensor '", wname, "' (NVFP4 module per ", q.source, ")");
     }
     if (in % kNvfp4Block != 0)
       fail(w->where(), ": NVFP4 needs the input dimension to be a multiple of 16, but K = ", in);
     if (w->dtype != DType::U8) {
-      if (dense_format(w->dtype))
-        fail(w->where(), ": stored as ", dtype_name(w->dtype), " but ", q.source,
-             " says this module is NVFP4 (is it missing from the exclude list?)");
+      if (dense_format(w->dtype)) dense_but_quantized(*w, "NVFP4");
       fail(w->where(), ": NVFP4 codes must be U8, found ", dtype_name(w->dtype));
     }
     expect_shape(*w, {out, in / 2}, "config.json for packed NVFP4 (out, in/2)");

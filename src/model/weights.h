@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "formats/checkpoint.h"
+#include "formats/fp8.h"
 #include "formats/ggml_quants.h"
 #include "formats/gguf.h"
 #include "model/load_progress.h"
@@ -15,12 +16,13 @@
 
 namespace kestrel {
 
-// The first four values are mirrored by the CUDA backend; GGUF block formats follow. NVFP4 is the
-// Hugging Face (ModelOpt) layout; NVFP4_GGML is ggml's block of 64 with its scales inside.
+// The first four values are mirrored by the CUDA backend; FP8 (CPU only) and the GGUF block
+// formats follow. NVFP4 is the Hugging Face (ModelOpt) layout; NVFP4_GGML is ggml's block of 64
+// with its scales inside.
 enum class WeightFormat : uint8_t {
-  F32, F16, BF16, NVFP4, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, NVFP4_GGML
+  F32, F16, BF16, NVFP4, FP8, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, NVFP4_GGML
 };
-inline constexpr int kWeightFormatCount = 16;
+inline constexpr int kWeightFormatCount = 17;
 const char* format_name(WeightFormat f);
 
 // The WeightFormat of a ggml tensor type, if kestrel computes with it.
@@ -28,8 +30,10 @@ std::optional<WeightFormat> weight_format_of(GgmlType t);
 
 // A weight matrix W [out, in] applied as y = x W^T (+ bias). For NVFP4, `data` is the packed codes
 // [out, in/2], `scales` the E4M3 block scales [out, in/16] and `scale2` the per-tensor scale. For
-// the GGUF block formats, `data` holds each row as in/block ggml blocks (scales inside the blocks);
-// MXFP4 and NVFP4_GGML rows are then multiplied by `scale2` (llama.cpp's NAME.scale tensor).
+// FP8, `data` is the E4M3 codes [out, in] and `scales` one F32 (BF16 when `fp8_bf16_scales`) per
+// block of `fp8` weights, [ceil(out/rows), ceil(in/cols)] (formats/fp8.h). For the GGUF block
+// formats, `data` holds each row as in/block ggml blocks (scales inside the blocks); MXFP4 and
+// NVFP4_GGML rows are then multiplied by `scale2` (llama.cpp's NAME.scale tensor).
 struct Linear {
   std::string name;  // module name, e.g. "model.layers.0.self_attn.q_proj"
   int64_t out = 0, in = 0;
@@ -37,12 +41,16 @@ struct Linear {
   const uint8_t* data = nullptr;
   const uint8_t* scales = nullptr;
   float scale2 = 1.0f;
+  Fp8Blocks fp8;
+  bool fp8_bf16_scales = false;
   float input_scale = 0.0f;  // activation scale of W4A4 checkpoints; unused by weight-only compute
   std::vector<float> bias;   // empty when the module has none
 
-  size_t row_bytes() const;   // stored bytes of one row (scales included)
+  size_t row_bytes() const;   // stored bytes of one row (scales included; FP8: the codes alone)
+  size_t scale_bytes() const; // FP8: stored bytes of the scales; 0 for the other formats
   size_t bytes() const;       // stored bytes of the whole matrix
-  int64_t block() const;      // input values per stored block: 1 for F32/F16/BF16, 16 for NVFP4, ggml's block
+  int64_t block() const;      // input values per stored block: 1 for F32/F16/BF16, 16 for NVFP4, FP8's
+                              // block columns, ggml's block
   void dequant_row(int64_t row, float* out_row) const;
 };
 

@@ -14,12 +14,23 @@ class Slicer {
  public:
   explicit Slicer(std::vector<std::vector<uint8_t>>& owned) : owned_(owned) {}
 
-  // Output rows [r0, r1): a view.
-  Linear rows(const Linear& w, int64_t r0, int64_t r1) const {
+  // Output rows [r0, r1): a view. FP8 rows that start inside a block of rows (of several) are
+  // stored as F32 (exact), since their scale rows would not line up.
+  Linear rows(const Linear& w, int64_t r0, int64_t r1) {
     if (!w.data) return w;
     Linear s = w;
     s.out = r1 - r0;
-    if (w.format == WeightFormat::NVFP4) {
+    if (w.format == WeightFormat::FP8 && r0 % w.fp8.rows != 0 && w.out > w.fp8.rows) {
+      s.format = WeightFormat::F32;
+      s.scales = nullptr;
+      auto* buf = reinterpret_cast<float*>(own(size_t(s.out * w.in) * 4));
+      for (int64_t r = r0; r < r1; ++r) w.dequant_row(r, buf + (r - r0) * w.in);
+      s.data = reinterpret_cast<const uint8_t*>(buf);
+    } else if (w.format == WeightFormat::FP8) {
+      s.data = w.data + size_t(r0) * size_t(w.in);
+      const size_t scale_row = size_t(w.fp8.scale_cols(w.in)) * (w.fp8_bf16_scales ? 2 : 4);
+      s.scales = w.scales + size_t(r0 / w.fp8.rows) * scale_row;
+    } else if (w.format == WeightFormat::NVFP4) {
       s.data = w.data + size_t(r0) * size_t(w.in / 2);
       s.scales = w.scales + size_t(r0) * size_t(w.in / kNvfp4Block);
     } else {
@@ -48,6 +59,17 @@ class Slicer {
         std::memcpy(buf + size_t(r * s.in) * 4, row.data() + c0, size_t(s.in) * 4);
       }
       s.data = buf;
+      return s;
+    }
+    if (w.format == WeightFormat::FP8) {
+      const size_t es = w.fp8_bf16_scales ? 2 : 4, ins = size_t(w.fp8.scale_cols(w.in)) * es;
+      const size_t outs = size_t(w.fp8.scale_cols(s.in)) * es, sr = size_t(w.fp8.scale_rows(w.out));
+      uint8_t* d = own(size_t(w.out * s.in));
+      uint8_t* sc = own(sr * outs);
+      for (int64_t r = 0; r < w.out; ++r) std::memcpy(d + size_t(r * s.in), w.data + size_t(r * w.in + c0), size_t(s.in));
+      for (size_t r = 0; r < sr; ++r) std::memcpy(sc + r * outs, w.scales + r * ins + size_t(c0 / b) * es, outs);
+      s.data = d;
+      s.scales = sc;
       return s;
     }
     if (w.format == WeightFormat::NVFP4) {

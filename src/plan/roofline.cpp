@@ -14,11 +14,17 @@ namespace {
 
 constexpr double kNvfp4 = 0.5 + 1.0 / 16.0;  // 4-bit code + an FP8 scale per 16 weights
 
+// An FP8 code per weight + a float32 scale per block (partial edge blocks not counted).
+double fp8_bpw(const QuantConfig& q) {
+  const Fp8Blocks b = q.fp8_block;
+  return q.fp8_scaling == Fp8Scaling::Block ? 1.0 + 4.0 / double(b.rows * b.cols) : 1.0;
+}
+
 double bpw(const QuantConfig& q, QuantWhatIf w, const std::string& module) {
   switch (w) {
     case QuantWhatIf::Nvfp4: return kNvfp4;
     case QuantWhatIf::Bf16: return 2.0;
-    default: return q.quantizes(module) ? kNvfp4 : 2.0;
+    default: return !q.quantizes(module) ? 2.0 : q.is_fp8() ? fp8_bpw(q) : kNvfp4;
   }
 }
 

@@ -82,4 +82,18 @@ QuantConfig nvfp4_settings(const ModelConfig& c, const std::vector<std::string>&
   return q;
 }
 
+QuantConfig fp8_settings(const std::vector<std::string>& extra, const std::string& source) {
+  QuantConfig q;
+  q.method = QuantMethod::Fp8;
+  q.source = source;
+  q.algo = "FP8";
+  q.fp8_scaling = Fp8Scaling::Block;
+  q.exclude = {"lm_head"};
+  for (const auto& e : extra) {
+    if (e.empty()) fail(source, ": an empty modules_to_not_convert entry");
+    q.exclude.push_back(e);
+  }
+  return q;
+}
+
 }  // namespace kestrel

@@ -33,4 +33,9 @@ std::vector<std::string> default_nvfp4_exclude(const ModelConfig& c);
 // they come from in messages ("--quant nvfp4", an output config.json).
 QuantConfig nvfp4_settings(const ModelConfig& c, const std::vector<std::string>& extra, const std::string& source);
 
+// Block-scaled FP8 settings (quant_method "fp8", 128 x 128 blocks, as DeepSeek-V3's) leaving
+// lm_head and the `extra` modules_to_not_convert entries unquantized. Every linear of the layers is
+// FP8 by default, attention included, as in DeepSeek's, Qwen3's and GLM's FP8 checkpoints.
+QuantConfig fp8_settings(const std::vector<std::string>& extra, const std::string& source);
+
 }  // namespace kestrel

@@ -10,6 +10,7 @@
 #include "common/numeric.h"
 #include "formats/nvfp4.h"
 #include "formats/safetensors_writer.h"
+#include "quant/fp8_quantize.h"
 #include "quant/nvfp4_quantize.h"
 #include "quant/targets.h"
 
@@ -17,12 +18,12 @@ namespace kestrel {
 namespace fs = std::filesystem;
 namespace {
 
-// What one step of the writer produces: a quantized module's four tensors, or one tensor.
+// What one step of the writer produces: a quantized module's tensors, or one tensor.
 struct Unit {
-  enum class Kind { Raw, Nvfp4, Bf16, F32 } kind = Kind::Raw;
+  enum class Kind { Raw, Nvfp4, Fp8, Bf16, F32 } kind = Kind::Raw;
   std::vector<TensorSpec> specs;
   const uint8_t* raw = nullptr;             // Raw: the bytes as stored
-  const QuantTarget* target = nullptr;      // Nvfp4
+  const QuantTarget* target = nullptr;      // Nvfp4, Fp8
   const Linear* linear = nullptr;           // Bf16: dequantized row by row
   const std::vector<float>* vec = nullptr;  // F32
   uint64_t bytes() const {
@@ -35,14 +36,18 @@ struct Unit {
 class Plan {
  public:
   Plan(Model& m, const WriteOptions& o, const std::string& config_path)
-      : m_(m), o_(o), settings_(nvfp4_settings(m.config, o.exclude, config_path)), targets_(quant_targets(m)) {
+      : m_(m),
+        o_(o),
+        settings_(o.format == WriteFormat::Fp8 ? fp8_settings(o.exclude, config_path)
+                                               : nvfp4_settings(m.config, o.exclude, config_path)),
+        targets_(quant_targets(m)) {
     if (m.config.quant.is_quantized())
       fail(m.config.quant.source, ": the model is already quantized (", m.config.quant.describe(),
            "); kestrel quantize reads BF16, F16 or F32 checkpoints and GGUF files");
     for (const QuantTarget& t : targets_) {
-      const bool q = o.nvfp4 && settings_.quantizes(t.module);
+      const bool q = o.format != WriteFormat::Bf16 && settings_.quantizes(t.module);
       quantized_[&t] = q;
-      if (!q) continue;
+      if (!q || o.format == WriteFormat::Fp8) continue;
       if (t.linear->in % kNvfp4Block != 0)
         fail(t.module, ": input dimension ", t.linear->in, " is not a multiple of 16, so it cannot be NVFP4; leave it ",
              "dense with --exclude ", t.module);
@@ -61,7 +66,7 @@ class Plan {
   const QuantConfig& settings() const { return settings_; }
   int quantized_count() const {
     int n = 0;
-    for (const auto& u : units_) n += u.kind == Unit::Kind::Nvfp4;
+    for (const auto& u : units_) n += u.kind == Unit::Kind::Nvfp4 || u.kind == Unit::Kind::Fp8;
     return n;
   }
   // The quantized members of a fusion group.
@@ -72,13 +77,14 @@ class Plan {
 
   // A module written densely must not look quantized to a reader of the settings.
   void dense_written(const std::string& tensor, size_t rank) {
-    if (!o_.nvfp4 || rank < 2) return;
+    if (o_.format == WriteFormat::Bf16 || rank < 2) return;
     // "a.b.weight" is module "a.b"; a fused "a.experts.gate_up_proj" stands for "a.experts".
     const std::string module = tensor.substr(0, tensor.rfind('.'));
     if (settings_.quantizes(module)) settings_.exclude.push_back(module);
   }
 
-  void nvfp4(const QuantTarget& t) {
+  void add_quantized(const QuantTarget& t) {
+    if (o_.format == WriteFormat::Fp8) return fp8(t);
     Unit u;
     u.kind = Unit::Kind::Nvfp4;
     u.target = &t;
@@ -87,6 +93,18 @@ class Plan {
                {t.module + ".weight_scale", DType::F8_E4M3, {n, k / kNvfp4Block}},
                {t.module + ".weight_scale_2", DType::F32, {}},
                {t.module + ".input_scale", DType::F32, {}}};
+    units_.push_back(std::move(u));
+  }
+
+  // DeepSeek-V3's layout: the codes and one F32 scale per 128 x 128 block.
+  void fp8(const QuantTarget& t) {
+    Unit u;
+    u.kind = Unit::Kind::Fp8;
+    u.target = &t;
+    const int64_t n = t.linear->out, k = t.linear->in;
+    const Fp8Blocks b;
+    u.specs = {{t.module + ".weight", DType::F8_E4M3, {n, k}},
+               {t.module + ".weight_scale_inv", DType::F32, {b.scale_rows(n), b.scale_cols(k)}}};
     units_.push_back(std::move(u));
   }
 
@@ -130,14 +148,14 @@ class Plan {
         const auto& ts = f->second;
         if (std::any_of(ts.begin(), ts.end(), [&](const QuantTarget* t) { return quantized(*t); })) {
           for (const QuantTarget* t : ts) {
-            if (quantized(*t)) nvfp4(*t);
+            if (quantized(*t)) add_quantized(*t);
             else raw(t->module + ".weight", view->dtype, {t->linear->out, t->linear->in}, t->linear->data);
           }
           continue;
         }
       }
       if (auto w = by_weight.find(name); w != by_weight.end() && quantized(*w->second)) {
-        nvfp4(*w->second);
+        add_quantized(*w->second);
         continue;
       }
       raw(name, view->dtype, view->shape, view->data);
@@ -162,7 +180,7 @@ class Plan {
       if (L.is_moe) bf16(p + c.moe_prefix + ".gate.weight", L.moe.router);
       for (; next < targets_.size() && targets_[next].module.starts_with(p); ++next) {
         const QuantTarget& t = targets_[next];
-        if (quantized(t)) nvfp4(t);
+        if (quantized(t)) add_quantized(t);
         else bf16(t.module + ".weight", *t.linear);
         if (!t.linear->bias.empty()) f32(t.module + ".bias", t.linear->bias);
       }
@@ -203,6 +221,12 @@ class Writer {
         out.write(u.specs[1].name, q.scales.data(), q.scales.size());
         out.write(u.specs[2].name, &q.scale2, 4);
         out.write(u.specs[3].name, &input_scale, 4);
+        return;
+      }
+      case Unit::Kind::Fp8: {
+        const Fp8Quantized q = fp8_quantize_linear(*u.target->linear, pool_);
+        out.write(u.specs[0].name, q.codes.data(), q.codes.size());
+        out.write(u.specs[1].name, q.scales.data(), q.scales.size() * 4);
         return;
       }
     }
@@ -307,7 +331,16 @@ WriteSummary write_files(const Plan& plan, nlohmann::ordered_json config, const 
   sum.quantized = plan.quantized_count();
   sum.bytes = total;
   sum.exclude = plan.settings().exclude;
-  if (o.nvfp4) {
+  if (o.format == WriteFormat::Fp8) {
+    nlohmann::ordered_json q;
+    q["quant_method"] = "fp8";
+    q["activation_scheme"] = "dynamic";
+    q["fmt"] = "e4m3";
+    q["weight_block_size"] = {kFp8Block, kFp8Block};
+    q["modules_to_not_convert"] = sum.exclude;
+    config["quantization_config"] = q;
+  }
+  if (o.format == WriteFormat::Nvfp4) {
     nlohmann::ordered_json q;
     q["quant_method"] = "modelopt";
     q["quant_algo"] = "NVFP4";

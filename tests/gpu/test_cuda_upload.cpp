@@ -199,5 +199,21 @@ TEST_P(CudaUploadTest, SplitRankDeviceBytesEqualItsShard) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaUploadTest, ::testing::ValuesIn(test::fixture_names()), test::fixture_test_name);
 
+// FP8 checkpoints run on the CPU only: the upload refuses them before any device memory is
+// taken, naming the first FP8 linear (so `--device auto` falls back to the CPU).
+TEST(CudaUpload, Fp8LinearsAreRefusedByName) {
+  for (const std::string& name : test::fp8_fixture_names()) {
+    auto model = load_model(test::fixture_dir(name));
+    try {
+      cuda::DeviceModel::upload(*model, {});
+      ADD_FAILURE() << name << ": uploaded";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("FP8 linears are not on the GPU yet: model.layers.0.self_attn."),
+                std::string::npos)
+          << name << ": " << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kestrel

@@ -28,6 +28,12 @@ inline const std::vector<std::string>& mla_fixture_names() {
   return names;
 }
 
+// FP8 checkpoints (CPU only: not among fixture_names(), which the GPU tests run).
+inline const std::vector<std::string>& fp8_fixture_names() {
+  static const std::vector<std::string> names = {"deepseekv3-fp8", "glm4moe-fp8", "qwen3moe-fp8", "qwen3-fp8-ct"};
+  return names;
+}
+
 inline const std::vector<std::string>& fixture_names() {
   static const std::vector<std::string> names = [] {
     std::vector<std::string> all = gqa_fixture_names();

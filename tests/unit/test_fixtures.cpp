@@ -57,11 +57,14 @@ TEST_P(FixtureTest, PrefillAndDecodeMatchTransformers) {
 
 INSTANTIATE_TEST_SUITE_P(Families, FixtureTest, ::testing::ValuesIn(test::fixture_names()),
                          test::fixture_test_name);
+INSTANTIATE_TEST_SUITE_P(Fp8, FixtureTest, ::testing::ValuesIn(test::fp8_fixture_names()), test::fixture_test_name);
 
 // The fixtures must exercise what they claim: a wrong routing, rotary or norm would be caught only
 // if the logits depend on them, so check that the reference logits are far from trivial.
 TEST(Fixtures, ReferenceLogitsAreInformative) {
-  for (const auto& name : test::fixture_names()) {
+  std::vector<std::string> names = test::fixture_names();
+  names.insert(names.end(), test::fp8_fixture_names().begin(), test::fp8_fixture_names().end());
+  for (const auto& name : names) {
     const test::Reference ref = test::load_reference(test::fixture_dir(name));
     double sum = 0, sq = 0;
     for (float v : ref.logits) {

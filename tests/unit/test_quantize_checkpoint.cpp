@@ -413,7 +413,7 @@ TEST(QuantizeCli, BadInputGivesOneClearLine) {
       {"quantize --model " + fx + " --out " + fx, "the model's own folder"},
       {"quantize --model " + test::fixture_dir("llama-nvfp4") + " --out " + out + " --calib-tokens 1",
        "already quantized"},
-      {"quantize --model " + fx + " --out " + out + " --format int4", "--format: expected nvfp4 or bf16"},
+      {"quantize --model " + fx + " --out " + out + " --format int4", "--format: expected nvfp4, fp8 or bf16"},
       {"quantize --model " + fx + " --out " + out + " --shard-size 5XB --calib-tokens 1", "--shard-size: unknown unit"},
       {"quantize --model " + fx + " --out " + out + " --calib /no/such.txt", "--calib: /no/such.txt: no such file"},
       {"quantize --model " + fx + " --out " + out + " --calib " + (tmp.path() / "empty.txt").string(),

@@ -125,7 +125,12 @@ DLinear DeviceModel::make_random(const std::string& name, const RandomBlock& b, 
 
 namespace {
 
+void check_not_fp8(const Linear& l) {
+  if (l.format == WeightFormat::FP8) fail("FP8 linears are not on the GPU yet: ", l.name);
+}
+
 void check_kv_b(const Linear& l) {
+  check_not_fp8(l);
   if (l.format != WeightFormat::BF16)
     fail(l.name, ": the CUDA MLA kernels read kv_b_proj as BF16, found ", format_name(l.format),
          " (keep attention out of the quantized modules)");
@@ -133,6 +138,7 @@ void check_kv_b(const Linear& l) {
 
 // A matrix's codes (or dense values), NVFP4 block scales and bias placed in the arena.
 DLinear place_linear(WeightArena& a, const Linear& l) {
+  check_not_fp8(l);
   if (uint8_t(l.format) > uint8_t(WeightFormat::NVFP4))
     fail(l.name, ": the CUDA backend reads F32, F16, BF16 and NVFP4 weights, not ", format_name(l.format));
   DLinear d;
