@@ -43,13 +43,13 @@ if [ -z "${GTEST_FILTER:-}" ]; then
   fi
 fi
 
-# The persistent steps' kernels (the plan interpreter's, the stage step's) under compute-sanitizer (memcheck, racecheck, synccheck) on one
+# The stage step's kernel under compute-sanitizer (memcheck, racecheck, synccheck) on one
 # MoE fixture at 1 and 3 sequences.
 if [ -z "${GTEST_FILTER:-}" ] && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck synccheck; do
     set +e
     compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/tests/gpu/kestrel_gpu_tests" \
-      --gtest_filter='Families/CudaPersistentTest.*qwen3moe_nvfp4*:Families/CudaStagesTest.*qwen3moe_nvfp4*' \
+      --gtest_filter='Families/CudaStagesTest.*qwen3moe_nvfp4*' \
       >"$OUT/sanitizer_persistent_$tool.log" 2>&1
     rc=$?
     set -e
@@ -239,11 +239,9 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   KESTREL_MOE_FRAG=0 bench qwen3-30b-a3b-no-frag --config configs/qwen3-30b-a3b-nvfp4.json --random-weights \
     --batch 4,8,16,32,64 --context 1024 --steps 50
   KESTREL_PDL=0 bench qwen3-30b-a3b-no-pdl --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,8 --context 1024 --steps 50
-  # The persistent step (its first interpreter) beside the launched one.
-  bench qwen3-30b-a3b-persistent --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,2,4,8 \
-    --context 1024 --steps 30 --persistent --stages
-  bench glm-4.5-air-persistent --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,8 --context 1024 \
-    --steps 20 --persistent
+  # The stage step beside the launched one.
+  bench qwen3-30b-a3b-stages --config configs/qwen3-30b-a3b-nvfp4.json --random-weights --batch 1,2,4,8 \
+    --context 1024 --steps 30 --stages
   bench glm-4.5-air --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1,2,4,8 --context 1024 --steps 30
   bench glm-4.5-air-ops --config configs/glm-4.5-air-nvfp4.json --random-weights --batch 1 --context 1024 --steps 30 --ops
   # One token's q/k/v (58.7 M weights) with the RMSNorm fused on CUDA cores instead of tensor cores.
@@ -289,5 +287,5 @@ grep -h "random Qwen3" "$OUT/gpu_tests.log" || true
 grep "^cli:" "$OUT/cli.txt" || true
 [ -f "$OUT/allreduce.json" ] && cat "$OUT/allreduce.txt" || true
 [ -f "$OUT/serve_bench.txt" ] && grep -E "^== |ok, |TTFT|tokens/s|^suffix" "$OUT/serve_bench.txt" || true
-[ -f "$OUT/bench.txt" ] && grep -E "^== |^prefill|^ *tokens +ms|^ *(batch|[0-9])|^  [a-z_]+ +[0-9]|^  total|^  between ops|^  step \(graph\)|^ *persistent step|^ *stage step|^extrapolated|^ *[a-z0-9.-]+ +B=" "$OUT/bench.txt" | grep -v "random weights" || true
+[ -f "$OUT/bench.txt" ] && grep -E "^== |^prefill|^ *tokens +ms|^ *(batch|[0-9])|^  [a-z_]+ +[0-9]|^  total|^  between ops|^  step \(graph\)|^ *stage step|^extrapolated|^ *[a-z0-9.-]+ +B=" "$OUT/bench.txt" | grep -v "random weights" || true
 exit $tests_rc

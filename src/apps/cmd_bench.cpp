@@ -18,7 +18,6 @@
 #include "backend/cuda/device_model.h"
 #include "backend/cuda/graph_profile.h"
 #include "backend/cuda/op_timer.h"
-#include "backend/cuda/persistent/persistent_step.h"
 #include "backend/cuda/stages/stage_step.h"
 #include "backend/cuda/rank_group.h"
 #include "backend/cuda/read_chain.h"
@@ -30,7 +29,6 @@
 #include "plan/decode_cost.h"
 #include "plan/gpus.h"
 #include "plan/roofline.h"
-#include "plan/step_plan.h"
 
 namespace kestrel::apps {
 namespace {
@@ -49,7 +47,6 @@ struct Options {
   std::string prefill;  // prompt lengths to prefill, comma-separated; empty: none
   int chunk = cuda::Session::kDefaultChunk;
   std::string kv_dtype = "auto";
-  bool persistent = false;  // also time the persistent step (1 to 8 sequences)
   bool stages = false;      // also time the stage step (1 to 8 sequences)
   int speculative = 0;      // also time checks of 2 .. this + 1 tokens against one token's step
 };
@@ -409,8 +406,6 @@ Run add_bench(CLI::App& app) {
   auto o = std::make_shared<Options>();
   add_common(app, o.get());
   app.add_flag("--ops", o->ops, "Also time every op of the step and compare each with its floor");
-  app.add_flag("--persistent", o->persistent,
-               "Also time the persistent step (batches of 1 to 8; its first interpreter, plain ops)");
   app.add_flag("--stages", o->stages,
                "Also time the stage step (batches of 1 to 8: one launch, a grid barrier between stages) and each "
                "stage against its floor");
@@ -653,57 +648,6 @@ int run_bench(const Options* o) {
         nlohmann::json r = bench_stages(*dm, dec, B, o->context, o->steps, bw, floor_ms, reset, s);
         results.back()["stage_ms"] = r["stage_ms"];
         results.back()["stages"] = r["stages"];
-      }
-      if (o->persistent && B <= 8) {
-        // The persistent step at the same positions (it does not advance them), from one graph.
-        StepPlanOptions po;
-        po.batch = B;
-        int dev = 0;
-        KESTREL_CUDA_CHECK(cudaGetDevice(&dev));
-        KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&po.sms, cudaDevAttrMultiProcessorCount, dev));
-        po.context = o->context;
-        po.kv_value_bytes = kv_value_bytes(dec);
-        cuda::PersistentStep ps(*dm, dec, make_step_plan(c, po));
-        reset();
-        cudaGraph_t graph;
-        cudaGraphExec_t exec;
-        KESTREL_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-        ps.run(s);
-        KESTREL_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-        KESTREL_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-        for (int i = 0; i < 3; ++i) KESTREL_CUDA_CHECK(cudaGraphLaunch(exec, s));
-        cudaEventRecord(e0, s);
-        for (int i = 0; i < o->steps; ++i) KESTREL_CUDA_CHECK(cudaGraphLaunch(exec, s));
-        cudaEventRecord(e1, s);
-        KESTREL_CUDA_CHECK(cudaEventSynchronize(e1));
-        ps.check();
-        float ms;
-        cudaEventElapsedTime(&ms, e0, e1);
-        const double pm = double(ms) / o->steps;
-        std::printf("%6s persistent step: %.3f ms (%.2f x floor, %zu instructions on %d SMs, %lld with staged weights, %lld on tensor cores)\n",
-                    "", pm, pm / floor_ms, ps.plan().instrs.size(), po.sms, (long long)ps.staged_instructions(),
-                    (long long)ps.tensor_core_tiles());
-        results.back()["persistent_ms"] = pm;
-        // Where the SMs' time goes, per op: cycles running and waiting, summed over its tiles and
-        // spread over the SMs (at the device's rated clock).
-        int khz = 0;
-        KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev));
-        const double per_ms = double(khz) * double(po.sms);  // cycles of all SMs in a millisecond
-        std::printf("%6s %-16s %6s %9s %9s %11s\n", "", "op", "tiles", "run ms", "wait ms", "run us/tile");
-        nlohmann::json pops = nlohmann::json::array();
-        for (const auto& t : ps.trace(s)) {
-          std::printf("%6s %-16s %6d %9.3f %9.3f %11.2f", "", step_op_name(t.op), t.tiles, t.run_cycles / per_ms,
-                      t.wait_cycles / per_ms, t.run_cycles / t.tiles / (double(khz) / 1e3));
-          // Where a tile's time goes: microseconds from its start to each mark inside the op.
-          for (size_t m = 0; m < t.marked.size(); ++m)
-            if (t.marked[m] > 0) std::printf("  @%zu %.2f", m, t.mark_cycles[m] / t.marked[m] / (double(khz) / 1e3));
-          std::printf("\n");
-          pops.push_back({{"op", step_op_name(t.op)}, {"tiles", t.tiles}, {"run_ms", t.run_cycles / per_ms},
-                          {"wait_ms", t.wait_cycles / per_ms}});
-        }
-        results.back()["persistent_ops"] = pops;
-        cudaGraphExecDestroy(exec);
-        cudaGraphDestroy(graph);
       }
     }
     nlohmann::json ops = nlohmann::json::array();

@@ -23,7 +23,6 @@ Run add_tokenize(CLI::App& app);
 Run add_generate(CLI::App& app);
 Run add_chat(CLI::App& app);
 Run add_roofline(CLI::App& app);
-Run add_plan(CLI::App& app);
 Run add_quantize(CLI::App& app);
 Run add_perplexity(CLI::App& app);
 #ifdef KESTREL_HAVE_SERVER

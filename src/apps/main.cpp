@@ -30,8 +30,6 @@ int main(int argc, char** argv) {
   add("perplexity", "Perplexity over a text, and KL divergence and top-1 agreement against a reference model",
       kestrel::apps::add_perplexity);
   add("roofline", "The floor of a decode step for a model, formats, parallel layout and GPU", kestrel::apps::add_roofline);
-  add("plan", "The persistent decode step's plan: tiles, SM queues, counters and bytes per op, checked",
-      kestrel::apps::add_plan);
   add("tokenize", "Encode text to token ids, or decode ids to text, with a tokenizer.json", kestrel::apps::add_tokenize);
 #ifdef KESTREL_HAVE_CUDA
   add("bench", "Time decode steps on the GPU against the memory-bandwidth floor", kestrel::apps::add_bench);

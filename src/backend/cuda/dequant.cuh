@@ -56,14 +56,6 @@ __device__ __forceinline__ float2 e2m1x2_scaled(uint32_t byte) {
 }
 constexpr float kE2M1Unscale = 16384.0f;  // 2^14
 
-// A weight load: through the read-only path from global memory, or (Generic) a plain load from
-// any space (the persistent step's shared-memory stage, backend/cuda/persistent/weights.cuh).
-template <bool Generic, class T>
-__device__ __forceinline__ T ld_w(const T* p) {
-  if constexpr (Generic) return *p;
-  else return __ldg(p);
-}
-
 // Eight E2M1 codes (one little-endian word, weight 2j in the low nibble of byte j) the same way,
 // two at a time: the nibbles of weights k and k + 4 sit 16 bits apart, so one shift and two masks
 // place both in a half2 (about half the instructions of converting byte by byte).
@@ -139,7 +131,7 @@ __device__ __forceinline__ void nvfp4_group_fma(const NvRows (&mat)[M], const ui
 // load, all M * R rows' loads issued before the first is used so that M * R * 16 bytes per lane
 // are in flight; x is read 8 weights at a time to bound registers. `first`/`step` split K
 // between the warps of a block (first = warp * 32, step = 32 * warps); one warp alone: 0 and 32.
-template <int M, int R, int B, bool Generic = false>
+template <int M, int R, int B>
 __device__ __forceinline__ void nvfp4_rows_dot(const NvRows (&mat)[M], int K, const float* __restrict__ x, int ldx,
                                                int lane, float (&acc)[M * R][B], int first, int step) {
   const int groups32 = (K % 32) == 0 ? K / 32 : 0;
@@ -158,11 +150,11 @@ __device__ __forceinline__ void nvfp4_rows_dot(const NvRows (&mat)[M], int K, co
           // MoE gate/up kernel (docs/PERF.md v17: its step -12% at one token). Single matrices
           // keep the pointers: measured slower this way (o_proj +28%).
           const uint32_t off = uint32_t(row) * uint32_t(K / 2) + uint32_t(g) * 16u;
-          c[m * R + r] = ld_w<Generic>(reinterpret_cast<const uint4*>(mat[m].codes + off));
-          sc[m * R + r] = ld_w<Generic>(reinterpret_cast<const uint16_t*>(mat[m].scales + (off >> 3)));
+          c[m * R + r] = __ldg(reinterpret_cast<const uint4*>(mat[m].codes + off));
+          sc[m * R + r] = __ldg(reinterpret_cast<const uint16_t*>(mat[m].scales + (off >> 3)));
         } else {
-          c[m * R + r] = ld_w<Generic>(reinterpret_cast<const uint4*>(mat[m].codes + row * (K / 2)) + g);
-          sc[m * R + r] = ld_w<Generic>(reinterpret_cast<const uint16_t*>(mat[m].scales + row * (K / 16)) + g);
+          c[m * R + r] = __ldg(reinterpret_cast<const uint4*>(mat[m].codes + row * (K / 2)) + g);
+          sc[m * R + r] = __ldg(reinterpret_cast<const uint16_t*>(mat[m].scales + row * (K / 16)) + g);
         }
       }
     nvfp4_group_fma<M, R, B>(mat, c, sc, x + 32 * g, ldx, acc);
@@ -173,8 +165,8 @@ __device__ __forceinline__ void nvfp4_rows_dot(const NvRows (&mat)[M], int K, co
     #pragma unroll
     for (int q = 0; q < M * R; ++q) {
       const int row = min(q % R, mat[q / R].last);
-      const uint2 c = ld_w<Generic>(reinterpret_cast<const uint2*>(mat[q / R].codes + row * (K / 2)) + blk);
-      const float s = e4m3_to_float(ld_w<Generic>(mat[q / R].scales + row * (K / 16) + blk)) * mat[q / R].unscale;
+      const uint2 c = __ldg(reinterpret_cast<const uint2*>(mat[q / R].codes + row * (K / 2)) + blk);
+      const float s = e4m3_to_float(__ldg(mat[q / R].scales + row * (K / 16) + blk)) * mat[q / R].unscale;
       float w[16];
       e2m1x8_scaled(c.x, reinterpret_cast<float(&)[8]>(w[0]));
       e2m1x8_scaled(c.y, reinterpret_cast<float(&)[8]>(w[8]));
@@ -193,7 +185,7 @@ __device__ __forceinline__ void nvfp4_rows_dot(const NvRows (&mat)[M], int K, co
 // x[b * ldx ...], in any storage format. Lane l takes the 8-weight groups l, l + 32, ... (NVFP4:
 // 32-weight groups, see nvfp4_rows_dot): its codes, scales and x values are contiguous across the
 // warp. acc[r][b] += partial; the caller reduces the warp. `first`/`step` as in nvfp4_rows_dot.
-template <int R, int B, bool Generic = false>
+template <int R, int B>
 __device__ __forceinline__ void rows_dot_partial(const DLinear& W, int row0, const float* __restrict__ x, int ldx,
                                                  int lane, float (&acc)[R][B], int first = 0, int step = 32) {
   const int K = W.in;
@@ -202,7 +194,7 @@ __device__ __forceinline__ void rows_dot_partial(const DLinear& W, int row0, con
   for (int r = 0; r < R; ++r) rows[r] = min(row0 + r, W.out - 1);
   if (W.format == DFormat::NVFP4) {
     const NvRows mat[1] = {nv_rows(W, row0)};
-    nvfp4_rows_dot<1, R, B, Generic>(mat, K, x, ldx, lane, acc, first, step);
+    nvfp4_rows_dot<1, R, B>(mat, K, x, ldx, lane, acc, first, step);
     return;
   }
   if (W.format == DFormat::BF16 && K % 8 == 0) {
@@ -218,7 +210,7 @@ __device__ __forceinline__ void rows_dot_partial(const DLinear& W, int row0, con
       }
       #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const uint4 raw = ld_w<Generic>(reinterpret_cast<const uint4*>(W.data + size_t(rows[r]) * K * 2) + g);
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(W.data + size_t(rows[r]) * K * 2) + g);
         const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
         float w[8];
         #pragma unroll
@@ -261,7 +253,7 @@ __device__ __forceinline__ void row_dot_partial(const DLinear& W, int row, const
 
 // Gate and up rows row0 .. row0+R-1 of a gated FFN: g[r][b] += gate partial, u[r][b] += up
 // partial. When both are NVFP4 the 2R rows' codes are loaded together (twice the bytes in flight).
-template <int R, int B, bool Generic = false>
+template <int R, int B>
 __device__ __forceinline__ void gated_rows_dot_partial(const DLinear& G, const DLinear& U, int row0,
                                                        const float* __restrict__ x, int ldx, int lane,
                                                        float (&g)[R][B], float (&u)[R][B], int first, int step) {
@@ -272,15 +264,15 @@ __device__ __forceinline__ void gated_rows_dot_partial(const DLinear& G, const D
     for (int q = 0; q < 2 * R; ++q)
       #pragma unroll
       for (int b = 0; b < B; ++b) acc[q][b] = 0.0f;
-    nvfp4_rows_dot<2, R, B, Generic>(mat, G.in, x, ldx, lane, acc, first, step);
+    nvfp4_rows_dot<2, R, B>(mat, G.in, x, ldx, lane, acc, first, step);
     #pragma unroll
     for (int r = 0; r < R; ++r)
       #pragma unroll
       for (int b = 0; b < B; ++b) g[r][b] += acc[r][b], u[r][b] += acc[R + r][b];
     return;
   }
-  rows_dot_partial<R, B, Generic>(G, row0, x, ldx, lane, g, first, step);
-  rows_dot_partial<R, B, Generic>(U, row0, x, ldx, lane, u, first, step);
+  rows_dot_partial<R, B>(G, row0, x, ldx, lane, g, first, step);
+  rows_dot_partial<R, B>(U, row0, x, ldx, lane, u, first, step);
 }
 
 // Prefetches rows [row0, row0 + rows) of W (values or codes, and scales) into L2.

@@ -7,7 +7,7 @@
 #pragma once
 #include <cstdint>
 
-#include "backend/cuda/persistent/counters.cuh"
+#include "backend/cuda/stages/counters.cuh"
 #include "backend/cuda/stages/stage_args.h"
 
 namespace kestrel::cuda {
