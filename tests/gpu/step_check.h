@@ -1,4 +1,4 @@
-// What the persistent steps' GPU tests share: copying device results back, setting a decoder's
+// What the stage step's GPU tests use: copying device results back, setting a decoder's
 // tokens and positions, and the comparison of a step with the launched decoder and the CPU.
 #pragma once
 #include <gtest/gtest.h>
