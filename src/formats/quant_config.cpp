@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <filesystem>
 #include <map>
-#include <regex>
+#include <memory>
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
 
 #include "common/error.h"
 #include "formats/json_file.h"
@@ -63,7 +66,87 @@ bool glob_match(const std::string& p, const std::string& t) {
   return pi == p.size();
 }
 
-bool not_convert_match(const std::string& entry, const std::string& module) {
+namespace {
+
+// Patterns come from config files, which may be hostile: a pattern such as "(a+)+$" backtracks
+// exponentially on a name it almost matches. PCRE2 stops a match past these limits (module names
+// are short: honest patterns stay orders of magnitude below them) and the match then fails.
+constexpr uint32_t kMatchLimit = 1'000'000;  // calls of PCRE2's internal match function, ~15 ms
+constexpr uint32_t kDepthLimit = 10'000;     // nested backtracking points
+constexpr uint32_t kHeapLimitKib = 20 * 1024;  // their frames, which grow with the capture groups
+
+// Shared by every thread: pcre2_match only reads it (its parameter is not const, though).
+pcre2_match_context* limits() {
+  static pcre2_match_context* const ctx = [] {
+    pcre2_match_context* c = pcre2_match_context_create(nullptr);
+    pcre2_set_match_limit(c, kMatchLimit);
+    pcre2_set_depth_limit(c, kDepthLimit);
+    pcre2_set_heap_limit(c, kHeapLimitKib);
+    return c;
+  }();
+  return ctx;
+}
+
+std::string pcre2_message(int code) {
+  PCRE2_UCHAR buf[256];
+  return pcre2_get_error_message(code, buf, sizeof buf) < 0 ? cat("PCRE2 error ", code)
+                                                            : std::string(reinterpret_cast<const char*>(buf));
+}
+
+// A pattern compiled by PCRE2, anchored at the start of the subject as Python's re.match is; $
+// matches only at the very end.
+struct Regex {
+  pcre2_code* code = nullptr;
+  std::string error;  // why it did not compile
+  ~Regex() { pcre2_code_free(code); }
+};
+
+// prefix + entry + suffix compiled once per thread (a model has thousands of linears, the settings
+// a few patterns), a few hundred kept. Fails naming `where` (file, field and entry) when it does
+// not compile, the offset counted in the entry.
+std::shared_ptr<const Regex> compiled(const std::string& prefix, const std::string& entry, const std::string& suffix,
+                                      const std::string& where) {
+  thread_local std::map<std::string, std::shared_ptr<const Regex>> cache;
+  const std::string pattern = prefix + entry + suffix;
+  auto it = cache.find(pattern);
+  if (it == cache.end()) {
+    if (cache.size() >= 256) cache.clear();
+    auto re = std::make_shared<Regex>();
+    int code = 0;
+    PCRE2_SIZE offset = 0;
+    re->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
+                             PCRE2_ANCHORED | PCRE2_DOLLAR_ENDONLY, &code, &offset, nullptr);
+    if (!re->code) {
+      const size_t at = offset > prefix.size() ? std::min<size_t>(offset - prefix.size(), entry.size()) : 0;
+      re->error = cat(pcre2_message(code), " at offset ", at);
+    }
+    it = cache.emplace(pattern, std::move(re)).first;
+  }
+  if (!it->second->code) fail(where, " is not a valid regular expression: ", it->second->error);
+  return it->second;
+}
+
+// Where the pattern's match from the start of `text` ends, or -1 when there is none.
+long match_end(const Regex& re, const std::string& text, const std::string& where) {
+  pcre2_match_data* md = pcre2_match_data_create_from_pattern(re.code, nullptr);
+  const int rc = pcre2_match(re.code, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), 0, 0, md, limits());
+  const long n = rc >= 0 ? long(pcre2_get_ovector_pointer(md)[1]) : -1;
+  pcre2_match_data_free(md);
+  if (rc == PCRE2_ERROR_MATCHLIMIT || rc == PCRE2_ERROR_DEPTHLIMIT || rc == PCRE2_ERROR_HEAPLIMIT)
+    fail(where, " backtracks too much on '", text, "' (", pcre2_message(rc), ")");
+  if (rc < 0 && rc != PCRE2_ERROR_NOMATCH) fail(where, " cannot match '", text, "': ", pcre2_message(rc));
+  return n;
+}
+
+// Whether a compressed-tensors "re:" ignore entry covers the module: Python's re.match, anchored
+// at the start only.
+bool ignore_regex_match(const std::string& pattern, const std::string& module, const std::string& where) {
+  return match_end(*compiled("", pattern, "", where), module, where) >= 0;
+}
+
+}  // namespace
+
+bool not_convert_match(const std::string& entry, const std::string& module, const std::string& where) {
   if (entry.empty()) return false;
   const size_t n = entry.size();
   if (module.size() >= n && module.compare(module.size() - n, n, entry) == 0) return true;
@@ -76,40 +159,24 @@ bool not_convert_match(const std::string& entry, const std::string& module) {
       if (entry[i] != '.' && entry[i] != module[i]) return false;
     return boundary(n);
   }
-  // Compiled once per entry and thread (a model has thousands of linears), a few hundred kept.
-  thread_local std::map<std::string, std::pair<std::regex, std::regex>> compiled;
-  auto it = compiled.find(entry);
-  if (it == compiled.end()) {
-    if (compiled.size() >= 256) compiled.clear();
-    // ECMAScript has no lookbehind: a match ending in '.' is checked on the match itself.
-    it = compiled.emplace(entry, std::pair{std::regex("^(?:" + entry + ")(?=\\.|$)"), std::regex("^(?:" + entry + ")")})
-             .first;
-  }
-  std::smatch m;
-  return std::regex_search(module, it->second.first) ||
-         (std::regex_search(module, m, it->second.second) && m.length(0) > 0 && boundary(size_t(m.length(0))));
+  // Any match that ends before a '.' or at the end (backtracking finds one if there is); else the
+  // first match, when it ends in '.'. The entry alone compiles first, so that its errors point
+  // into the entry and the group around it cannot be broken out of.
+  const auto alone = compiled("", entry, "", where);
+  if (match_end(*compiled("(?:", entry, ")(?=\\.|$)", where), module, where) >= 0) return true;
+  const long m = match_end(*alone, module, where);
+  return m > 0 && boundary(size_t(m));
 }
 
 bool QuantConfig::quantizes(const std::string& module) const {
   if (method == QuantMethod::None) return false;
-  for (const auto& e : exclude) {
+  for (size_t i = 0; i < exclude.size(); ++i) {
+    const std::string& e = exclude[i];
     if (method == QuantMethod::Fp8) {
-      try {
-        if (not_convert_match(e, module)) return false;
-      } catch (const std::regex_error&) {
-        fail(source, ": modules_to_not_convert entry '", e, "' is not a valid regular expression");
-      }
+      if (not_convert_match(e, module, exclude_where(i))) return false;
     } else if (method == QuantMethod::CompressedTensors) {
-      if (e.rfind("re:", 0) == 0) {
-        // Python's re.match: anchored at the start only.
-        try {
-          if (std::regex_search(module, std::regex(e.substr(3)), std::regex_constants::match_continuous)) return false;
-        } catch (const std::regex_error&) {
-          fail(source, ": ignore entry '", e, "' is not a valid regular expression");
-        }
-      } else if (e == module) {
+      if (e.rfind("re:", 0) == 0 ? ignore_regex_match(e.substr(3), module, exclude_where(i)) : e == module)
         return false;
-      }
     } else if (glob_match(e, module) || glob_match(e + ".*", module)) {
       return false;
     }
@@ -134,6 +201,13 @@ const char* QuantConfig::exclude_key() const {
     case QuantMethod::None: break;
   }
   return "the exclusions";
+}
+
+std::string QuantConfig::exclude_where(size_t i) const {
+  const std::string field = method == QuantMethod::Fp8 && i >= ignored_layers_start
+                                ? cat("ignored_layers[", i - ignored_layers_start, "]")
+                                : cat(exclude_key(), "[", i, "]");
+  return cat(source, ": quantization_config.", field, " '", exclude[i], "'");
 }
 
 std::string QuantConfig::describe() const {
@@ -168,6 +242,16 @@ std::vector<std::string> string_list(const nlohmann::json& j, const std::string&
     out.push_back(v.get<std::string>());
   }
   return out;
+}
+
+// Compiles the settings' regular expressions, so that one that does not compile fails at load
+// rather than at the first module it is matched against.
+void compile_patterns(const QuantConfig& c) {
+  for (size_t i = 0; i < c.exclude.size(); ++i) {
+    const std::string& e = c.exclude[i];
+    if (c.method == QuantMethod::Fp8) (void)not_convert_match(e, "", c.exclude_where(i));
+    else if (e.rfind("re:", 0) == 0) (void)compiled("", e.substr(3), "", c.exclude_where(i));
+  }
 }
 
 QuantConfig modelopt(const nlohmann::json& q, const std::string& file) {
@@ -258,6 +342,7 @@ QuantConfig compressed_tensors(const nlohmann::json& q, const std::string& file)
       if (t != "Linear") fail(where, ": target '", t, "' is not supported (only \"Linear\")");
   }
   c.exclude = string_list(q, "ignore", file);
+  compile_patterns(c);
   return c;
 }
 
@@ -281,7 +366,9 @@ QuantConfig fp8(const nlohmann::json& q, const std::string& file) {
   c.fp8_scaling = Fp8Scaling::Block;
   c.fp8_block = block_size(*bs, file + ": quantization_config.weight_block_size");
   c.exclude = string_list(q, "modules_to_not_convert", file);
+  c.ignored_layers_start = c.exclude.size();
   for (const auto& e : string_list(q, "ignored_layers", file)) c.exclude.push_back(e);
+  compile_patterns(c);
   return c;
 }
 

@@ -4,6 +4,7 @@
 // GLM-4.5-FP8, Qwen3-FP8). They say which linear modules are stored quantized, and how; the
 // loader then checks that the tensors agree.
 #pragma once
+#include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -26,6 +27,9 @@ struct QuantConfig {
   Fp8Blocks fp8_block;                // Fp8Scaling::Block
   // ModelOpt fnmatch patterns, compressed-tensors ignore entries, or FP8 modules_to_not_convert
   std::vector<std::string> exclude;
+  // quant_method "fp8": where vLLM's ignored_layers entries start in `exclude`, after
+  // modules_to_not_convert's (so that errors name the entry's own field).
+  size_t ignored_layers_start = SIZE_MAX;
 
   bool is_quantized() const { return method != QuantMethod::None; }
   bool is_fp8() const { return algo == "FP8"; }
@@ -36,6 +40,8 @@ struct QuantConfig {
   Fp8Blocks fp8_blocks(int64_t out, int64_t in) const;
   // The settings' name for the modules left unquantized ("exclude_modules", "ignore", ...).
   const char* exclude_key() const;
+  // exclude[i] named for errors: "config.json: quantization_config.modules_to_not_convert[2] 'ENTRY'".
+  std::string exclude_where(size_t i) const;
   std::string describe() const;
 };
 
@@ -49,6 +55,9 @@ bool glob_match(const std::string& pattern, const std::string& text);
 // regular expression, matches from the start of the name up to a module boundary ("model.layers.1"
 // covers "model.layers.1.mlp", not "model.layers.11.mlp"; "model.layers.*.mlp.gate" every router),
 // or the name ends with it ("mlp.gate" covers "model.layers.3.mlp.gate", not its gate_proj).
-bool not_convert_match(const std::string& entry, const std::string& module);
+// Regular expressions run on PCRE2 under match, depth and heap limits; a pattern that does not
+// compile, or a match past the limits (catastrophic backtracking), fails naming `where` (the
+// entry, its file and field: QuantConfig::exclude_where).
+bool not_convert_match(const std::string& entry, const std::string& module, const std::string& where);
 
 }  // namespace kestrel

@@ -1,9 +1,11 @@
 // FP8 checkpoints: the E4M3 decode of every code, block scales over partial edge blocks, both
 // layouts (quant_method "fp8" with weight_scale_inv, compressed-tensors float-quantized), the
-// settings and modules_to_not_convert, bad input named by tensor, the fixtures split over ranks,
-// and `kestrel quantize --format fp8` against the Python quantizer and transformers.
+// settings and modules_to_not_convert (hostile patterns included), bad input named by tensor, the
+// fixtures split over ranks, and `kestrel quantize --format fp8` against the Python quantizer and
+// transformers.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -267,12 +269,56 @@ TEST(Fp8, ModulesToNotConvertAsTransformersMatchesThem) {
   EXPECT_FALSE(q.quantizes("model.layers.3.mlp.experts.0.up_proj"));  // a prefix ending in '.'
   EXPECT_TRUE(q.quantizes("model.layers.3.mlp.experts.10.up_proj"));
   EXPECT_FALSE(q.quantizes("model.layers.3.mlp.experts.01.up_proj"));  // as a pattern, '.' matches any character
-  EXPECT_TRUE(not_convert_match("model.layers.0.mlp", "model.layers.0.mlp"));
-  EXPECT_FALSE(not_convert_match("", "model.layers.0.mlp"));
-  const QuantConfig bad = settings({{"quant_method", "fp8"}, {"weight_block_size", {128, 128}},
-                                    {"modules_to_not_convert", {"model.layers.(1"}}});
-  expect_parts(error_of([&] { (void)bad.quantizes("model.layers.1.mlp"); }),
-               {"config.json", "model.layers.(1", "regular expression"});
+  EXPECT_TRUE(not_convert_match("model.layers.0.mlp", "model.layers.0.mlp", "entry"));
+  EXPECT_FALSE(not_convert_match("", "model.layers.0.mlp", "entry"));
+  // Regular expressions end at a module boundary too: before a '.', at the end, or after a '.'.
+  EXPECT_TRUE(not_convert_match("model\\.layers\\.[34]", "model.layers.3.mlp.up_proj", "entry"));
+  EXPECT_FALSE(not_convert_match("model\\.layers\\.[34]", "model.layers.33.mlp.up_proj", "entry"));
+  EXPECT_TRUE(not_convert_match("model\\.layers\\.[34]\\.", "model.layers.4.mlp.up_proj", "entry"));
+  EXPECT_TRUE(not_convert_match("(model|lm_head)$", "lm_head", "entry"));
+  EXPECT_FALSE(not_convert_match("(model|lm_head)$", "model.norm", "entry"));  // $ is the end
+  // A pattern that does not compile fails as the settings load, naming the file, field and entry.
+  expect_parts(error_of([&] {
+                 settings({{"quant_method", "fp8"}, {"weight_block_size", {128, 128}},
+                           {"modules_to_not_convert", {"lm_head", "model.layers.(1"}}});
+               }),
+               {"config.json: quantization_config.modules_to_not_convert[1] 'model.layers.(1'",
+                "not a valid regular expression", "parenthesis", "offset 15"});
+  expect_parts(error_of([&] {
+                 settings({{"quant_method", "fp8"},
+                           {"weight_block_size", {128, 128}},
+                           {"ignored_layers", {"lm_head", "a)|(b"}}});
+               }),
+               {"config.json: quantization_config.ignored_layers[1] 'a)|(b'", "not a valid regular expression"});
+}
+
+// Patterns come from config files: one that backtracks exponentially ("(a+)+$" on a name of a's
+// that ends otherwise) stops at PCRE2's match limit and fails, naming the entry, in milliseconds.
+TEST(Fp8, CatastrophicPatternsFailQuickly) {
+  const std::string name = std::string(64, 'a') + ".mlp";
+  auto timed_error = [&](const QuantConfig& q) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string err = error_of([&] { (void)q.quantizes(name); });
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(500));
+    return err;
+  };
+  const QuantConfig fp8 = settings(
+      {{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}, {"modules_to_not_convert", {"lm_head", "(a+)+$"}}});
+  expect_parts(timed_error(fp8), {"config.json: quantization_config.modules_to_not_convert[1] '(a+)+$'",
+                                  "backtracks too much", name, "match limit"});
+  const QuantConfig ct = settings({{"quant_method", "compressed-tensors"},
+                                   {"format", "float-quantized"},
+                                   {"config_groups",
+                                    {{"group_0",
+                                      {{"targets", {"Linear"}},
+                                       {"weights", {{"num_bits", 8}, {"type", "float"}, {"strategy", "tensor"}}}}}}},
+                                   {"ignore", {"lm_head", "re:(a|aa)+$"}}});
+  expect_parts(timed_error(ct), {"config.json: quantization_config.ignore[1] 're:(a|aa)+$'", "backtracks too much"});
+  // Other names the same patterns match, or not, at once.
+  EXPECT_FALSE(fp8.quantizes("aaaa"));
+  EXPECT_TRUE(fp8.quantizes("model.layers.0.mlp.down_proj"));
+  EXPECT_FALSE(ct.quantizes("aaaa"));
+  EXPECT_TRUE(ct.quantizes("model.layers.0.mlp.down_proj"));
 }
 
 TEST(Fp8, CompressedTensorsSettings) {
