@@ -1,7 +1,8 @@
 // Any byte string given to the safetensors reader either parses into tensors whose bytes lie
 // inside the input, or raises kestrel::Error. Nothing else: no crash, no read out of bounds. FP8
-// weights among them (NAME.weight beside NAME.weight_scale_inv or NAME.weight_scale) go through
-// the loader's checks and, when they pass, are dequantized row by row within their bytes.
+// weights among them (NAME.weight beside NAME.weight_scale_inv, or NAME.weight_scale per channel or
+// tensor) go through the loader's checks and, when they pass, are dequantized row by row within
+// their bytes.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -44,8 +45,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       const std::string module = name.substr(0, name.size() - 7);
       if (auto s = idx.tensors().find(module + ".weight_scale_inv"); s != idx.tensors().end())
         read_fp8(t, s->second, {kestrel::kFp8Block, kestrel::kFp8Block});
-      if (auto s = idx.tensors().find(module + ".weight_scale"); s != idx.tensors().end() && t.shape.size() == 2)
-        read_fp8(t, s->second, {1, t.shape[1] > 0 ? t.shape[1] : 1});
+      if (auto s = idx.tensors().find(module + ".weight_scale"); s != idx.tensors().end() && t.shape.size() == 2) {
+        // One scale for the tensor (a scalar or [1]), else one per output channel.
+        const bool per_tensor = s->second.shape.empty() || s->second.shape == std::vector<int64_t>{1};
+        const int64_t rows = per_tensor && t.shape[0] > 0 ? t.shape[0] : 1;
+        read_fp8(t, s->second, {rows, t.shape[1] > 0 ? t.shape[1] : 1});
+      }
     }
   } catch (const kestrel::Error&) {
   }

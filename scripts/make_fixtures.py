@@ -3,7 +3,7 @@
 
 Every fixture is a small random model written in the on-disk layout of the
 matching hub checkpoints (per-expert MoE tensors, ModelOpt / compressed-tensors
-NVFP4, block-scaled / compressed-tensors FP8, sharded safetensors with an
+NVFP4, block-scaled / per-tensor / compressed-tensors FP8, sharded safetensors with an
 index, ...) together with the float32 logits that transformers computes for a
 short random prompt.
 
@@ -90,6 +90,7 @@ class Spec:
     name: str
     family: str
     fmt: str  # "bf16" | "nvfp4-modelopt" | "nvfp4-compressed-tensors" | "fp8-block" | "fp8-compressed-tensors"
+    #         | "fp8-tensor" (quant_method fp8 without weight_block_size: one scale per tensor, AutoFP8)
     seed: int
     config: dict
     generation: dict
@@ -98,7 +99,8 @@ class Spec:
     fused_experts: bool = False  # experts as transformers-5 fused tensors instead of per expert
     legacy_config: bool = False  # hub style of transformers 4.x: torch_dtype, top-level rope_theta
     quant_location: str = "config"  # modelopt: "config" | "hf_quant_config" | "both"
-    # modelopt exclude_modules / compressed-tensors ignore / fp8 modules_to_not_convert
+    # modelopt exclude_modules / compressed-tensors ignore / fp8 modules_to_not_convert (fp8-tensor:
+    # ignored_layers, as AutoFP8 writes it)
     exclude: list = field(default_factory=list)
     fp8_scale_dtype: str = "F32"  # FP8 scales as stored: "F32" | "BF16"
     straddle: bool = False  # put one quantized module's tensors into two different shards
@@ -386,6 +388,16 @@ FIXTURES += [
         "activations dynamic per token (not stored), ignore [lm_head].",
         exclude=["lm_head"], fp8_scale_dtype="BF16",
     ),
+    Spec(
+        "llama-fp8-tensor", "llama", "fp8-tensor", 121,
+        _base(vocab_size=128, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, rope_parameters=_rope(500000.0)),
+        {"bos_token_id": 1, "eos_token_id": 2},
+        "Llama untied, per-tensor FP8 as AutoFP8 writes it: quantization_config {quant_method fp8, "
+        "activation_scheme static, ignored_layers [lm_head]} without weight_block_size; every linear of "
+        "the layers F8_E4M3 with weight_scale F32 [] (one scale per tensor) and input_scale F32 [] "
+        "(a placeholder of 1/448: activations are not quantized, by kestrel or the reference).",
+        exclude=["lm_head"],
+    ),
 ]
 
 _SPEED_CFG = dict(
@@ -534,8 +546,8 @@ def is_router(module: str) -> bool:
 
 def pattern_rule(fmt: str) -> str:
     """How a format's exclusion entries match module names."""
-    return {"fp8-block": "not_convert", "nvfp4-compressed-tensors": "ct", "fp8-compressed-tensors": "ct"}.get(
-        fmt, "fnmatch")
+    return {"fp8-block": "not_convert", "fp8-tensor": "not_convert", "nvfp4-compressed-tensors": "ct",
+            "fp8-compressed-tensors": "ct"}.get(fmt, "fnmatch")
 
 
 def quantized_modules(hub: dict, patterns: list, rule: str) -> list:
@@ -633,8 +645,9 @@ def quantize_nvfp4(w: torch.Tensor, ct: bool) -> tuple[dict, torch.Tensor]:
 
 def quantize_fp8(w: torch.Tensor, scaling: str, scale_dtype: str) -> tuple[dict, torch.Tensor]:
     """w: float32 [N, K]; scaling "block" (one scale per 128 x 128 block, partial at the edges, as
-    DeepSeek-V3: scale = amax / 448, stored as weight_scale_inv) or "channel" (one per row, as
-    compressed-tensors: weight_scale [N, 1]). code = E4M3(w / scale), round to nearest even,
+    DeepSeek-V3: scale = amax / 448, stored as weight_scale_inv), "channel" (one per row, as
+    compressed-tensors: weight_scale [N, 1]) or "tensor" (one for all, as AutoFP8: weight_scale [],
+    with an input_scale [] the static activation scheme stores). code = E4M3(w / scale), round to nearest even,
     saturating; a block of zeros has scale 0 and zero codes. Returns (tensors as stored, the
     dequantized float32 [N, K] = code x scale in float32)."""
     n, k = w.shape
@@ -643,6 +656,8 @@ def quantize_fp8(w: torch.Tensor, scaling: str, scale_dtype: str) -> tuple[dict,
         padded = torch.zeros(sr * FP8_BLOCK, sc * FP8_BLOCK, dtype=torch.float32)
         padded[:n, :k] = w
         scale = padded.abs().reshape(sr, FP8_BLOCK, sc, FP8_BLOCK).amax(dim=(1, 3)) / FP8_MAX
+    elif scaling == "tensor":
+        scale = w.abs().amax() / FP8_MAX
     else:
         scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
     if scale_dtype == "BF16":
@@ -656,7 +671,10 @@ def quantize_fp8(w: torch.Tensor, scaling: str, scale_dtype: str) -> tuple[dict,
     deq = codes.to(torch.float32) * full
     stored = scale.to(torch.bfloat16 if scale_dtype == "BF16" else torch.float32).contiguous()
     name = "weight_scale_inv" if scaling == "block" else "weight_scale"
-    return {"weight": codes.contiguous(), name: stored}, deq.contiguous()
+    tensors = {"weight": codes.contiguous(), name: stored}
+    if scaling == "tensor":
+        tensors["input_scale"] = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+    return tensors, deq.contiguous()
 
 
 def fp8_block_config(not_convert: list) -> dict:
@@ -664,6 +682,13 @@ def fp8_block_config(not_convert: list) -> dict:
          "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
     if not_convert:
         q["modules_to_not_convert"] = list(not_convert)
+    return q
+
+
+def fp8_tensor_config(ignored: list) -> dict:
+    q = {"activation_scheme": "static", "quant_method": "fp8"}
+    if ignored:
+        q["ignored_layers"] = list(ignored)
     return q
 
 
@@ -695,6 +720,8 @@ def quantize_weight(w: torch.Tensor, spec: Spec) -> tuple[dict, torch.Tensor]:
         return quantize_fp8(w, "block", spec.fp8_scale_dtype)
     if spec.fmt == "fp8-compressed-tensors":
         return quantize_fp8(w, "channel", spec.fp8_scale_dtype)
+    if spec.fmt == "fp8-tensor":
+        return quantize_fp8(w, "tensor", spec.fp8_scale_dtype)
     return quantize_nvfp4(w, spec.fmt == "nvfp4-compressed-tensors")
 
 
@@ -920,6 +947,8 @@ def config_json(spec: Spec, config) -> dict:
         d["quantization_config"] = fp8_block_config(spec.exclude)
     elif spec.fmt == "fp8-compressed-tensors":
         d["quantization_config"] = compressed_tensors_fp8_config(spec.exclude)
+    elif spec.fmt == "fp8-tensor":
+        d["quantization_config"] = fp8_tensor_config(spec.exclude)
     return dict(sorted(d.items()))
 
 
@@ -1063,6 +1092,10 @@ def dequantize_readback(tensors: dict, fmt: str) -> tuple[dict, set]:
             if fmt == "fp8-block":
                 assert s.shape == (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), (mod, s.shape)
                 out[name] = fp8_dequant(arr, s, FP8_BLOCK, FP8_BLOCK).astype(np.float64)
+            elif fmt == "fp8-tensor":
+                idt, i = tensors[mod + ".input_scale"]
+                assert sdt == "F32" and s.shape == () and idt == "F32" and i.shape == (), mod
+                out[name] = fp8_dequant(arr, s, n, k).astype(np.float64)
             else:
                 assert s.shape == (n, 1), (mod, s.shape)
                 out[name] = fp8_dequant(arr, s, 1, k).astype(np.float64)
@@ -1230,8 +1263,9 @@ def verify_quantized(folder: Path, spec: Spec, ref_hub: dict, ref: torch.Tensor,
     cfg_file = json.loads((folder / "config.json").read_text())
     if spec.fmt in ("nvfp4-compressed-tensors", "fp8-compressed-tensors"):
         patterns = cfg_file["quantization_config"]["ignore"]
-    elif spec.fmt == "fp8-block":
-        patterns = cfg_file["quantization_config"].get("modules_to_not_convert", [])
+    elif spec.fmt in ("fp8-block", "fp8-tensor"):
+        q = cfg_file["quantization_config"]
+        patterns = q.get("modules_to_not_convert", []) + q.get("ignored_layers", [])
     else:
         sources = []
         if "quantization_config" in cfg_file:

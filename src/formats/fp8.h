@@ -3,7 +3,8 @@
 // checkpoint layout is such a grid: DeepSeek's weight_scale_inv per 128 x 128 block (the blocks at
 // the bottom and right edges partial, so the scales are [ceil(out/128), ceil(in/128)]),
 // compressed-tensors' weight_scale per output channel (1 x in, stored [out, 1]) or per tensor
-// (out x in, stored [1] or as a scalar).
+// (out x in, stored [1] or as a scalar), as AutoFP8's weight_scale (quant_method "fp8" without
+// weight_block_size).
 #pragma once
 #include <cstdint>
 

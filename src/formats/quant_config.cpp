@@ -210,6 +210,10 @@ std::string QuantConfig::exclude_where(size_t i) const {
   return cat(source, ": quantization_config.", field, " '", exclude[i], "'");
 }
 
+const char* QuantConfig::fp8_scale_name() const {
+  return method == QuantMethod::Fp8 && fp8_scaling == Fp8Scaling::Block ? "weight_scale_inv" : "weight_scale";
+}
+
 std::string QuantConfig::describe() const {
   if (method == QuantMethod::None) return "none";
   const std::string from = fs::path(source).filename().string();
@@ -347,8 +351,10 @@ QuantConfig compressed_tensors(const nlohmann::json& q, const std::string& file)
 }
 
 // quant_method "fp8": E4M3 weights with weight_scale_inv per block of weight_block_size
-// (DeepSeek-V3/R1: [128, 128]); activations quantized on the fly by GPU servers, which kestrel
-// does not do (weight-only). modules_to_not_convert (or vLLM's ignored_layers) stay unquantized.
+// (DeepSeek-V3/R1: [128, 128]), or without weight_block_size one F32 weight_scale per tensor
+// (AutoFP8, early llm-compressor; an input_scale beside it under the static activation scheme).
+// GPU servers quantize the activations, which kestrel does not do (weight-only).
+// modules_to_not_convert (or vLLM's ignored_layers) stay unquantized.
 QuantConfig fp8(const nlohmann::json& q, const std::string& file) {
   QuantConfig c;
   c.method = QuantMethod::Fp8;
@@ -360,11 +366,12 @@ QuantConfig fp8(const nlohmann::json& q, const std::string& file) {
   const std::string act = f.get_str("activation_scheme", "dynamic");
   if (act != "dynamic" && act != "static")
     fail(file, ": quantization_config.activation_scheme '", act, "' is not supported (dynamic or static)");
-  auto bs = q.find("weight_block_size");
-  if (bs == q.end() || bs->is_null())
-    fail(file, ": quantization_config.weight_block_size is missing (kestrel reads block-scaled FP8, e.g. [128, 128])");
-  c.fp8_scaling = Fp8Scaling::Block;
-  c.fp8_block = block_size(*bs, file + ": quantization_config.weight_block_size");
+  if (auto bs = q.find("weight_block_size"); bs != q.end() && !bs->is_null()) {
+    c.fp8_scaling = Fp8Scaling::Block;
+    c.fp8_block = block_size(*bs, file + ": quantization_config.weight_block_size");
+  } else {
+    c.fp8_scaling = Fp8Scaling::Tensor;
+  }
   c.exclude = string_list(q, "modules_to_not_convert", file);
   c.ignored_layers_start = c.exclude.size();
   for (const auto& e : string_list(q, "ignored_layers", file)) c.exclude.push_back(e);

@@ -1,8 +1,8 @@
 // Quantization settings of a checkpoint: NVIDIA ModelOpt NVFP4 (hf_quant_config.json or
 // quantization_config with quant_method "modelopt"), compressed-tensors "nvfp4-pack-quantized"
-// and "float-quantized" (FP8), and block-scaled FP8 (quant_method "fp8": DeepSeek-V3/R1,
-// GLM-4.5-FP8, Qwen3-FP8). They say which linear modules are stored quantized, and how; the
-// loader then checks that the tensors agree.
+// and "float-quantized" (FP8), and FP8 with quant_method "fp8" (block-scaled: DeepSeek-V3/R1,
+// GLM-4.5-FP8, Qwen3-FP8; one scale per tensor: AutoFP8). They say which linear modules are
+// stored quantized, and how; the loader then checks that the tensors agree.
 #pragma once
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -42,6 +42,9 @@ struct QuantConfig {
   const char* exclude_key() const;
   // exclude[i] named for errors: "config.json: quantization_config.modules_to_not_convert[2] 'ENTRY'".
   std::string exclude_where(size_t i) const;
+  // The name of an FP8 weight's scale tensor: "weight_scale_inv" (block-scaled quant_method "fp8")
+  // or "weight_scale".
+  const char* fp8_scale_name() const;
   std::string describe() const;
 };
 

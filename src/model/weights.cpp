@@ -274,12 +274,13 @@ class Loader {
          " (is it missing from ", q.exclude_key(), "?)");
   }
 
-  // FP8 E4M3 codes in `weight`, their scales in `weight_scale_inv` (quant_method fp8) or
-  // `weight_scale` (compressed-tensors); input scales of static activation schemes are not read.
+  // FP8 E4M3 codes in `weight`, their scales in `weight_scale_inv` (block-scaled quant_method fp8)
+  // or `weight_scale` (per tensor, compressed-tensors); input scales of static activation schemes
+  // are not read.
   Linear fp8(const std::string& module, int64_t out, int64_t in) {
     const QuantConfig& q = cfg_.quant;
     const std::string wname = module + ".weight";
-    const std::string sname = module + (q.method == QuantMethod::Fp8 ? ".weight_scale_inv" : ".weight_scale");
+    const std::string sname = module + "." + q.fp8_scale_name();
     const TensorView* w = ck_.find(wname);
     if (!w) fail(ck_.dir(), ": missing tensor '", wname, "' (FP8 module per ", q.source, ")");
     if (dense_format(w->dtype)) dense_but_quantized(*w, "FP8");

@@ -30,7 +30,8 @@ inline const std::vector<std::string>& mla_fixture_names() {
 
 // FP8 checkpoints (CPU only: not among fixture_names(), which the GPU tests run).
 inline const std::vector<std::string>& fp8_fixture_names() {
-  static const std::vector<std::string> names = {"deepseekv3-fp8", "glm4moe-fp8", "qwen3moe-fp8", "qwen3-fp8-ct"};
+  static const std::vector<std::string> names = {"deepseekv3-fp8", "glm4moe-fp8", "qwen3moe-fp8", "qwen3-fp8-ct",
+                                                 "llama-fp8-tensor"};
   return names;
 }
 

@@ -1,8 +1,8 @@
-// FP8 checkpoints: the E4M3 decode of every code, block scales over partial edge blocks, both
-// layouts (quant_method "fp8" with weight_scale_inv, compressed-tensors float-quantized), the
-// settings and modules_to_not_convert (hostile patterns included), bad input named by tensor, the
-// fixtures split over ranks, and `kestrel quantize --format fp8` against the Python quantizer and
-// transformers.
+// FP8 checkpoints: the E4M3 decode of every code, block scales over partial edge blocks, the
+// layouts (quant_method "fp8" with weight_scale_inv per block or weight_scale per tensor,
+// compressed-tensors float-quantized), the settings and modules_to_not_convert (hostile patterns
+// included), bad input named by tensor, the fixtures split over ranks, and `kestrel quantize
+// --format fp8` against the Python quantizer and transformers.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -321,6 +321,27 @@ TEST(Fp8, CatastrophicPatternsFailQuickly) {
   EXPECT_TRUE(ct.quantizes("model.layers.0.mlp.down_proj"));
 }
 
+// quant_method "fp8" without weight_block_size (AutoFP8, early llm-compressor): one weight_scale
+// per tensor, as compressed-tensors' strategy "tensor"; static and dynamic activation schemes alike.
+TEST(Fp8, PerTensorSettings) {
+  for (const char* act : {"static", "dynamic"}) {
+    const QuantConfig q =
+        settings({{"quant_method", "fp8"}, {"activation_scheme", act}, {"ignored_layers", {"lm_head"}}});
+    EXPECT_EQ(q.method, QuantMethod::Fp8);
+    EXPECT_TRUE(q.is_fp8());
+    EXPECT_EQ(q.fp8_scaling, Fp8Scaling::Tensor);
+    EXPECT_EQ(q.fp8_blocks(24, 40).rows, 24);
+    EXPECT_EQ(q.fp8_blocks(24, 40).cols, 40);
+    EXPECT_STREQ(q.fp8_scale_name(), "weight_scale");
+    EXPECT_FALSE(q.quantizes("lm_head"));
+    EXPECT_TRUE(q.quantizes("model.layers.0.mlp.down_proj"));
+    EXPECT_NE(q.describe().find("FP8 E4M3 (per tensor, from config.json), not converted: lm_head"), std::string::npos)
+        << q.describe();
+  }
+  EXPECT_STREQ(settings({{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}}).fp8_scale_name(),
+               "weight_scale_inv");
+}
+
 TEST(Fp8, CompressedTensorsSettings) {
   auto ct = [](const nlohmann::json& weights) {
     return nlohmann::json{{"quant_method", "compressed-tensors"},
@@ -351,10 +372,10 @@ TEST(Fp8, BadSettingsNameTheFileAndField) {
   auto expect = [](const nlohmann::json& q, std::initializer_list<std::string> parts) {
     expect_parts(error_of([&] { settings(q); }), parts);
   };
-  expect({{"quant_method", "fp8"}}, {"config.json", "weight_block_size"});
   expect({{"quant_method", "fp8"}, {"weight_block_size", {128}}}, {"weight_block_size", "[128]"});
   expect({{"quant_method", "fp8"}, {"weight_block_size", {0, 128}}}, {"weight_block_size", "positive"});
   expect({{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}, {"fmt", "e5m2"}}, {"fmt", "e5m2"});
+  expect({{"quant_method", "fp8"}, {"activation_scheme", "tensor"}}, {"config.json", "activation_scheme 'tensor'"});
   expect({{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}, {"modules_to_not_convert", "lm_head"}},
          {"modules_to_not_convert", "list"});
   auto ct = [](const nlohmann::json& weights) {
@@ -370,12 +391,15 @@ TEST(Fp8, BadSettingsNameTheFileAndField) {
 
 // ---- checkpoints ----
 
-// A one-layer Llama whose linears are FP8 in either layout.
+// A one-layer Llama whose linears are FP8 in one of the layouts.
 struct TinyFp8 {
   int64_t hidden = 32, vocab = 16, inter = 160;
   bool ct = false;          // compressed-tensors per-channel, else quant_method fp8 with 128 x 128 blocks
+  bool per_tensor = false;  // quant_method fp8 without weight_block_size (AutoFP8), an input_scale beside
   bool bf16_scales = false;
   nlohmann::json not_convert = nlohmann::json::array();
+
+  std::string scale_suffix() const { return ct || per_tensor ? ".weight_scale" : ".weight_scale_inv"; }
 
   nlohmann::json config() const {
     nlohmann::json c = {{"architectures", {"LlamaForCausalLM"}}, {"vocab_size", vocab}, {"hidden_size", hidden},
@@ -390,6 +414,9 @@ struct TinyFp8 {
              {{"targets", {"Linear"}},
               {"weights", {{"num_bits", 8}, {"type", "float"}, {"strategy", "channel"}, {"symmetric", true}}}}}}},
           {"ignore", not_convert}};
+    else if (per_tensor)
+      c["quantization_config"] = {{"quant_method", "fp8"}, {"activation_scheme", "static"},
+                                  {"modules_to_not_convert", not_convert}};
     else
       c["quantization_config"] = {{"quant_method", "fp8"}, {"weight_block_size", {128, 128}},
                                   {"modules_to_not_convert", not_convert}};
@@ -410,17 +437,18 @@ struct TinyFp8 {
       if (QuantConfig q = load_quant_config("/nonexistent", config(), "config.json"); !q.quantizes(m))
         return bf16(n, {out, in});
       t.push_back({n, "F8_E4M3", {out, in}, std::vector<uint8_t>(size_t(out * in), 0x30)});
-      const std::vector<int64_t> shape = ct ? std::vector<int64_t>{out, 1}
-                                            : std::vector<int64_t>{(out + 127) / 128, (in + 127) / 128};
-      const size_t n_scales = size_t(shape[0] * shape[1]);
+      const std::vector<int64_t> shape = ct           ? std::vector<int64_t>{out, 1}
+                                         : per_tensor ? std::vector<int64_t>{}  // a scalar
+                                                      : std::vector<int64_t>{(out + 127) / 128, (in + 127) / 128};
+      const size_t n_scales = per_tensor ? 1 : size_t(shape[0] * shape[1]);
       if (bf16_scales) {
         std::vector<uint8_t> b;
         for (size_t i = 0; i < n_scales; ++i) b.insert(b.end(), {0x00, 0x3f});  // 0.5
-        t.push_back({m + (ct ? ".weight_scale" : ".weight_scale_inv"), "BF16", shape, b});
+        t.push_back({m + scale_suffix(), "BF16", shape, b});
       } else {
-        t.push_back({m + (ct ? ".weight_scale" : ".weight_scale_inv"), "F32", shape,
-                     test::f32_bytes(std::vector<float>(n_scales, 0.5f))});
+        t.push_back({m + scale_suffix(), "F32", shape, test::f32_bytes(std::vector<float>(n_scales, 0.5f))});
       }
+      if (per_tensor) t.push_back({m + ".input_scale", "F32", {}, test::f32_bytes({0.25f})});  // not read
     };
     bf16("model.embed_tokens.weight", {vocab, hidden});
     bf16("model.norm.weight", {hidden});
@@ -455,12 +483,13 @@ StTensor& find(std::vector<StTensor>& ts, const std::string& name) {
   throw std::runtime_error("no tensor " + name);
 }
 
-TEST(Fp8Checkpoint, BothLayoutsLoadWithTheirScales) {
-  for (bool ct : {false, true})
+TEST(Fp8Checkpoint, EveryLayoutLoadsWithItsScales) {
+  for (int layout = 0; layout < 3; ++layout)  // 128 x 128 blocks, per channel, per tensor
     for (bool bf16 : {false, true}) {
       test::TempDir d;
       TinyFp8 m;
-      m.ct = ct;
+      m.ct = layout == 1;
+      m.per_tensor = layout == 2;
       m.bf16_scales = bf16;
       m.not_convert = {"model.layers.0.self_attn.o_proj"};
       write_model(d.path(), m.config(), m.tensors());
@@ -469,7 +498,7 @@ TEST(Fp8Checkpoint, BothLayoutsLoadWithTheirScales) {
       EXPECT_EQ(L.q.format, WeightFormat::FP8);
       EXPECT_EQ(L.o.format, WeightFormat::BF16);  // not converted
       EXPECT_EQ(L.mlp.down.fp8_bf16_scales, bf16);
-      EXPECT_EQ(L.mlp.gate.fp8.rows, ct ? 1 : 128);
+      EXPECT_EQ(L.mlp.gate.fp8.rows, m.ct ? 1 : m.per_tensor ? m.inter : 128);
       std::vector<float> row(size_t(L.mlp.down.in));
       L.mlp.down.dequant_row(31, row.data());
       for (float v : row) ASSERT_EQ(v, 0.5f * 0.5f);  // code 0x30 is 0.5, times the scale 0.5
@@ -517,6 +546,33 @@ TEST(Fp8Checkpoint, BadInputIsNamedByTensor) {
   ct.ct = true;
   expect_parts(load_error(ct, [&](auto& ts) { find(ts, down + ".weight_scale").shape = {1, 32}; }),
                {"'" + down + ".weight_scale'", "[1, 32]", "expected [32, 1]"});
+  // Per tensor: one F32 or BF16 weight_scale, a scalar or [1] (an input_scale beside it is not read).
+  TinyFp8 pt;
+  pt.per_tensor = true;
+  expect_parts(load_error(pt, [&](auto& ts) {
+                 std::erase_if(ts, [&](auto& t) { return t.name == down + ".weight_scale"; });
+               }),
+               {"'" + down + ".weight'", "without its scales", down + ".weight_scale"});
+  expect_parts(load_error(pt, [&](auto& ts) {
+                 auto& s = find(ts, down + ".weight_scale");
+                 s.shape = {2};
+                 s.bytes = test::f32_bytes({0.5f, 0.5f});
+               }),
+               {"'" + down + ".weight_scale'", "[2]", "expected [1, 1]"});
+  expect_parts(load_error(pt, [&](auto& ts) { find(ts, down + ".weight_scale").dtype = "I32"; }),
+               {"'" + down + ".weight_scale'", "F32 or BF16", "I32"});
+  expect_parts(load_error(pt, [&](auto& ts) { find(ts, down + ".weight_scale").bytes = test::f32_bytes({NAN}); }),
+               {"'" + down + ".weight_scale'", "not finite"});
+  expect_parts(load_error(pt, [&](auto& ts) {
+                 auto& s = find(ts, down + ".weight_scale");
+                 s.name = down + ".weight_scale_inv";
+               }),
+               {"'" + down + ".weight'", "without its scales", down + ".weight_scale'"});
+  test::TempDir d1;  // a scale of shape [1] reads as the scalar does
+  auto ts = pt.tensors();
+  find(ts, down + ".weight_scale").shape = {1};
+  write_model(d1.path(), pt.config(), ts);
+  EXPECT_EQ(load_model(d1.path().string())->weights.layers[0].mlp.down.format, WeightFormat::FP8);
 }
 
 // ---- the fixtures ----
@@ -559,6 +615,10 @@ TEST(Fp8Checkpoint, InspectReportsTheFormat) {
   r = test::run_kestrel("inspect --model " + test::fixture_dir("qwen3-fp8-ct"));
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("compressed-tensors FP8 E4M3 (per channel"), std::string::npos) << r.output;
+  r = test::run_kestrel("inspect --model " + test::fixture_dir("llama-fp8-tensor"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("FP8 E4M3 (per tensor, from config.json), not converted: lm_head"), std::string::npos)
+      << r.output;
 }
 
 // ---- kestrel quantize --format fp8 ----
