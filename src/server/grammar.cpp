@@ -3,6 +3,7 @@
 #include <dlpack/dlpack.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <optional>
 #include <variant>
@@ -98,45 +99,11 @@ void check_schema_value(const json& schema, const std::string& field) {
   if (!schema.is_object() && !schema.is_boolean()) throw RequestError(field, "'" + field + "': expected a JSON schema object");
 }
 
-// XGrammar spells a string with minLength/maxLength as any characters but '"', '\\' and line
-// breaks, which lets other control characters through raw (invalid JSON). The same limits (up to
-// kMaxSpelledLength) as a pattern keep the string valid: XGrammar matches a string's pattern
-// against its characters with those that JSON must escape excluded (so such a string holds no
-// escapes). Not inside enum, const, default and examples: those are values.
-constexpr int64_t kMaxSpelledLength = 256;
-
-void spell_string_lengths(json& s, int depth = 0) {
-  if (depth > 64) return;
-  if (s.is_array()) {
-    for (json& v : s) spell_string_lengths(v, depth + 1);
-    return;
-  }
-  if (!s.is_object()) return;
-  if (s.contains("type") && s["type"] == "string" && (s.contains("minLength") || s.contains("maxLength")) &&
-      !s.contains("pattern") && !s.contains("format")) {
-    const json lo = s.value("minLength", json(0)), hi = s.value("maxLength", json(nullptr));
-    const auto count = [](const json& v) { return v.is_number_integer() && v.get<int64_t>() >= 0; };
-    // The pattern is unrolled into an automaton whose cost grows faster than its bound (a bound
-    // of 256 compiles in ~40 ms, 5000 in 20 s): longer limits keep XGrammar's own spelling.
-    const auto small = [](const json& v) { return v.get<int64_t>() <= kMaxSpelledLength; };
-    if (count(lo) && small(lo) && (hi.is_null() || (count(hi) && hi >= lo && small(hi)))) {
-      const std::string range = "{" + lo.dump() + "," + (hi.is_null() ? "" : hi.dump()) + "}";
-      s["pattern"] = "^[^\"\\\\\\x00-\\x1f]" + range + "$";
-      s.erase("minLength");
-      s.erase("maxLength");
-    }
-  }
-  for (auto it = s.begin(); it != s.end(); ++it)
-    if (it.key() != "enum" && it.key() != "const" && it.key() != "examples" && it.key() != "default")
-      spell_string_lengths(it.value(), depth + 1);
-}
-
-// Whether a schema limits the length of a string somewhere (minLength, maxLength, or the pattern
-// spell_string_lengths made of them).
+// Whether a schema limits the length of a string somewhere.
 bool limits_lengths(const json& s, int depth = 0) {
   if (depth > 64) return true;
   if (s.is_object()) {
-    if (s.contains("minLength") || s.contains("maxLength") || s.contains("pattern")) return true;
+    if (s.contains("minLength") || s.contains("maxLength")) return true;
     for (const auto& [k, v] : s.items())
       if (limits_lengths(v, depth + 1)) return true;
   } else if (s.is_array()) {
@@ -144,6 +111,119 @@ bool limits_lengths(const json& s, int depth = 0) {
       if (limits_lengths(v, depth + 1)) return true;
   }
   return false;
+}
+
+// What a regular expression costs to compile: its length spelled out with its counted
+// repetitions ({m}, {m,}, {m,n}) expanded, each counting its larger bound (XGrammar unrolls them
+// into an automaton), where a character class that admits most characters (negated, '.', \D,
+// \S, \W) counts kBroadClass: each of its copies is a state most tokens get through, ~90 ms a
+// copy on a 129k-token vocabulary, where a narrow class costs a few. Characters, escapes and
+// other classes count 1, groups what they hold; *, + and ? add nothing. Stops counting past `most`.
+constexpr int64_t kBroadClass = 32;
+
+int64_t spelled_length(const std::string& p, int64_t most) {
+  std::vector<int64_t> open{0};  // the spelled length of each open group so far
+  int64_t last = 0;              // that of the last atom, which a repetition repeats
+  const auto atom = [&](int64_t n) { open.back() = std::min(most + 1, open.back() + n), last = n; };
+  const auto hex = [&](size_t& i, size_t digits) {
+    while (digits-- && i + 1 < p.size() && std::isxdigit(static_cast<unsigned char>(p[i + 1]))) ++i;
+  };
+  for (size_t i = 0; i < p.size(); ++i) {
+    const char c = p[i];
+    if (c == '\\') {
+      const char e = ++i < p.size() ? p[i] : '\\';
+      if (e == 'x') hex(i, 2);
+      else if (e == 'u') hex(i, 4);
+      atom(e == 'D' || e == 'S' || e == 'W' ? kBroadClass : 1);
+    } else if (c == '[') {  // to the closing ']', which may come first ("[]a]", "[^]a]")
+      const bool negated = i + 1 < p.size() && p[i + 1] == '^';
+      size_t j = i + 1 + negated;
+      for (j += j < p.size() && p[j] == ']'; j < p.size() && p[j] != ']'; ++j)
+        if (p[j] == '\\') ++j;
+      i = std::min(j, p.size());
+      atom(negated ? kBroadClass : 1);
+    } else if (c == '.') {
+      atom(kBroadClass);
+    } else if (c == '(') {
+      open.push_back(0);
+      last = 0;
+    } else if (c == ')' && open.size() > 1) {
+      const int64_t group = open.back();
+      open.pop_back();
+      atom(group);
+    } else if (c == '{' && i + 1 < p.size() && std::isdigit(static_cast<unsigned char>(p[i + 1]))) {
+      // {m}, {m,} or {m,n}, counting its larger bound; anything else is a literal '{'.
+      size_t j = i + 1;
+      int64_t bound = 0, n = 0;
+      for (; j < p.size() && (std::isdigit(static_cast<unsigned char>(p[j])) || p[j] == ','); ++j)
+        if (p[j] == ',') n = 0;
+        else n = std::min(most + 1, n * 10 + (p[j] - '0')), bound = std::max(bound, n);
+      if (j < p.size() && p[j] == '}') {
+        const int64_t repeated = std::min(most + 1, last * std::max<int64_t>(bound, 1));
+        open.back() = std::min(most + 1, open.back() - last + repeated);
+        last = repeated;
+        i = j;
+      } else {
+        atom(1);
+      }
+    } else if (c == '|') {
+      last = 0;
+    } else if (c != '*' && c != '+' && c != '?' && c != '^' && c != '$') {
+      atom(1);
+    }
+  }
+  int64_t total = 0;
+  for (int64_t n : open) total = std::min(most + 1, total + n);
+  return total;
+}
+
+void check_pattern(const json& pattern, const std::string& at) {
+  if (!pattern.is_string()) return;  // XGrammar's own error
+  const std::string& p = pattern.get_ref<const std::string&>();
+  if (p.size() > kMaxPatternLength)
+    throw RequestError(at, "'" + at + "': " + std::to_string(p.size()) + " characters, more than " +
+                               std::to_string(kMaxPatternLength) + ", the most kestrel compiles in a pattern");
+  if (spelled_length(p, kMaxPatternSpelled) > kMaxPatternSpelled)
+    throw RequestError(at, "'" + at + "': spells out more than " + std::to_string(kMaxPatternSpelled) +
+                               " characters with its counted repetitions expanded, the most kestrel compiles");
+}
+
+// The limits on what a client's schema may cost to compile (grammar.h), checked before XGrammar
+// sees it. `values_left`: how many more JSON values the schemas compiled together may hold.
+// What `s` is decides which keys are keywords: a property named "enum" is a schema, not values.
+enum class Node { Schema, Names, Data };  // a schema, a map of names to schemas, values
+
+void check_limits_at(const json& s, const std::string& at, const std::string& field, int64_t& values_left, int depth,
+                     Node node = Node::Schema) {
+  if (--values_left < 0)
+    throw RequestError(field, "'" + field + "': the schema holds more than " + std::to_string(kMaxSchemaValues) +
+                                  " JSON values (a request's tools: all their schemas together), the most kestrel compiles");
+  if (depth > 64) throw RequestError(at, "'" + at + "': the schema nests too deeply");
+  if (s.is_array()) {
+    for (size_t i = 0; i < s.size(); ++i)
+      check_limits_at(s[i], at + "[" + std::to_string(i) + "]", field, values_left, depth + 1, node);
+    return;
+  }
+  if (!s.is_object()) return;
+  if (node == Node::Schema) {
+    if (s.contains("properties") && s["properties"].is_object() && s["properties"].size() > kMaxSchemaProperties)
+      throw RequestError(at + ".properties", "'" + at + ".properties': " + std::to_string(s["properties"].size()) +
+                                                 " properties, more than " + std::to_string(kMaxSchemaProperties) +
+                                                 ", the most kestrel compiles in one object");
+    if (s.contains("pattern")) check_pattern(s["pattern"], at + ".pattern");
+    if (s.contains("patternProperties") && s["patternProperties"].is_object())
+      for (auto it = s["patternProperties"].begin(); it != s["patternProperties"].end(); ++it)
+        check_pattern(it.key(), at + ".patternProperties");
+  }
+  for (auto it = s.begin(); it != s.end(); ++it) {
+    const std::string& k = it.key();
+    Node child = node == Node::Names ? Node::Schema : node;
+    if (node == Node::Schema && (k == "enum" || k == "const" || k == "default" || k == "examples")) child = Node::Data;
+    if (node == Node::Schema && (k == "properties" || k == "patternProperties" || k == "$defs" || k == "definitions" ||
+                                 k == "dependentSchemas"))
+      child = Node::Names;
+    check_limits_at(it.value(), at + "." + k, field, values_left, depth + 1, child);
+  }
 }
 
 // The markers a tool call's argument strings must not contain, so that the template's parser
@@ -240,9 +320,10 @@ CompiledConstraint Grammars::json_object(bool thinking) {
 
 CompiledConstraint Grammars::json_schema(const json& given, bool strict, const std::string& field, bool thinking) {
   check_schema_value(given, field);
+  int64_t values_left = kMaxSchemaValues;
+  check_limits_at(given, field, field, values_left, 0);
   if (strict) check_strict_schema(given, field);
-  json schema = given;
-  spell_string_lengths(schema);
+  const json& schema = given;
   if (thinking)
     return structural(after_thinking({{"type", "json_schema"}, {"json_schema", schema}, {"max_whitespace_cnt", 1}}, true),
                       field);
@@ -264,14 +345,15 @@ CompiledConstraint Grammars::tool_calls(const json& tools, ToolFormat format, co
                                         bool thinking, bool deepseek_fences) {
   json tags = json::array();
   std::string field;
+  int64_t values_left = kMaxSchemaValues;  // the tools compile into one grammar
   for (size_t i = 0; i < tools.size(); ++i) {
     const json& f = tools[i]["function"];
     const std::string n = f["name"].get<std::string>();
     if (!name.empty() && n != name) continue;
     field = "tools[" + std::to_string(i) + "].function.parameters";
     json params = f.contains("parameters") && f["parameters"].is_object() ? f["parameters"] : json{{"type", "object"}};
+    check_limits_at(params, field, field, values_left, 0);
     if (f.contains("strict") && f["strict"].is_boolean() && f["strict"].get<bool>()) check_strict_schema(params, field);
-    spell_string_lengths(params);
     // At most one whitespace character between tokens of the JSON (structural tags allow any).
     json content = {{"type", "json_schema"}, {"json_schema", params}, {"excludes", excludes_of(format, params)},
                     {"max_whitespace_cnt", 1}};

@@ -18,6 +18,21 @@
 
 namespace kestrel::server {
 
+// What a client's schema may hold, checked before it compiles (XGrammar cannot be interrupted,
+// and compiles one grammar at a time): beyond each, a 400 naming the field. Each bounds a cost
+// measured to grow faster than its size (docs/ARCHITECTURE.md, "Structured outputs"); ordinary
+// schemas are far below them.
+// JSON values in a schema (those of a request's tools together): anyOf branches, enum values,
+// properties, $defs all count.
+constexpr int64_t kMaxSchemaValues = 4096;
+// Properties of one object (optional ones cost more than linearly: 256 compile in ~0.5 s).
+constexpr size_t kMaxSchemaProperties = 256;
+// A pattern's characters, and its length spelled out with its counted repetitions expanded
+// ("a{1000}" is 1000: XGrammar unrolls them into an automaton), a class that admits most
+// characters ([^...], '.', \D, \S, \W) counting 32 ("^.{0,8}$" is 256: ~0.5 s).
+constexpr size_t kMaxPatternLength = 1000;
+constexpr int64_t kMaxPatternSpelled = 256;
+
 // A compiled grammar: a factory of matchers, one per choice (cheap: they share the compiled tables).
 using CompiledConstraint = ConstraintFactory;
 

@@ -9,6 +9,7 @@ the tool's parameters), and 400s for bad schemas.
 Usage: test_structured_outputs_server.py KESTREL_BINARY MODEL_DIR. Exits 77 (skipped) when the
 `openai` package is absent; validates with `jsonschema` when it is installed, by hand otherwise."""
 import sys
+import time
 
 import serve_harness
 from serve_harness import arguments, check, finish, parsed, start_server, stop_server, valid
@@ -124,12 +125,20 @@ try:
          "response_format.json_schema.schema"),
         ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema"),
         ({"type": "xml"}, "response_format.type"),
+        # Past kestrel's limits on what a schema may cost to compile: refused before compiling.
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": list(range(10000))}}},
+         "response_format.json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"x": {"type": "string", "pattern": "^(a{1000}){1000}$"}}}}},
+         "response_format.json_schema.schema.properties.x.pattern"),
     ]:
+        t0 = time.monotonic()
         try:
             client.chat.completions.create(model=NAME, messages=USER, response_format=rf, max_tokens=4)
             check(False, f"{rf} refused")
         except openai.BadRequestError as e:
             check((e.body or {}).get("param", "").startswith(param), f"{rf}: 400 naming {param} ({e.body})")
+        check(time.monotonic() - t0 < 2, f"{param}: refused within 2 s")
     ok = client.chat.completions.create(model=NAME, messages=USER, max_tokens=2)
     check(len(ok.choices) == 1, "the server serves after refusals")
 finally:

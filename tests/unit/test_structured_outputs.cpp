@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <chrono>
 #include <random>
 #include <thread>
 
@@ -90,6 +91,94 @@ TEST_F(Grammar, StringsHoldNoRawControlCharacters) {
     EXPECT_TRUE(feed(c, "\"ab\"").second) << schema;
   }
   EXPECT_TRUE(feed(grammars_->json_schema(json::parse(R"({"type": "string"})"), false, "schema"), "\"a\\tb\"").second);
+}
+
+// Past every length: XGrammar's spelling of length-limited strings (a counted repetition, compiled
+// in milliseconds at any bound) excludes every control character (src/CMakeLists.txt fixes its
+// character class). With maxLength 1000 and 10000, after some characters no token holding a raw
+// control character is allowed, and the string still ends at its limit.
+TEST_F(Grammar, LongLengthLimitedStringsHoldNoRawControlCharacters) {
+  for (int64_t most : {1000, 10000}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const CompiledConstraint c =
+        grammars_->json_schema({{"type", "string"}, {"minLength", 2}, {"maxLength", most}}, false, "schema");
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2)) << most;
+    auto m = c();
+    for (int32_t id : tok_->encode("\"abc", false, false)) ASSERT_TRUE(m->accept(id));
+    const auto mask = m->allowed();
+    for (int32_t id = 0; id < int32_t(tok_->vocab_size()); ++id) {
+      if (!((mask[size_t(id) / 32] >> (id % 32)) & 1u)) continue;
+      const std::string text = tok_->decode(std::vector<int32_t>{id});
+      EXPECT_FALSE(std::any_of(text.begin(), text.end(), [](char ch) { return static_cast<unsigned char>(ch) < 0x20; }))
+          << most << ": token " << id << " allowed";
+    }
+    // (The fixture's vocabulary spells no other control character than these.)
+    for (const char* raw : {"\"a\nb\"", "\"a\tb\""})
+      EXPECT_LT(feed(c, raw).first, tok_->encode(raw, false, false).size()) << most;
+    EXPECT_TRUE(feed(c, "\"" + std::string(size_t(most), 'x') + "\"").second) << most;
+    const std::string longer = "\"" + std::string(size_t(most) + 1, 'x') + "\"";
+    EXPECT_LT(feed(c, longer).first, tok_->encode(longer, false, false).size()) << most;
+  }
+}
+
+// Schemas that would compile for seconds or more (measured: docs/ARCHITECTURE.md) are 400s naming
+// the field, at once; ordinary ones within the limits still compile.
+TEST_F(Grammar, PathologicalSchemasAreRefusedQuickly) {
+  const std::string f = "response_format.json_schema.schema";
+  const auto many = [](size_t n, const std::function<json(size_t)>& one) {
+    json a = json::array();
+    for (size_t i = 0; i < n; ++i) a.push_back(one(i));
+    return a;
+  };
+  json props = json::object();
+  for (size_t i = 0; i < kMaxSchemaProperties + 1; ++i) props["k" + std::to_string(i)] = {{"type", "integer"}};
+  json nested = {{"type", "integer"}};
+  for (int i = 0; i < 12; ++i) nested = {{"anyOf", json::array({nested, {{"type", "array"}, {"items", nested}}})}};
+  const std::vector<std::pair<json, std::string>> cases = {
+      {{{"enum", many(10000, [](size_t i) { return json("value_" + std::to_string(i)); })}}, f},
+      {{{"anyOf", many(2000, [](size_t i) {
+          return json{{"type", "object"}, {"properties", {{"k" + std::to_string(i), {{"type", "integer"}}}}}};
+        })}},
+       f},
+      {nested, f},
+      {{{"type", "object"}, {"properties", props}}, f + ".properties"},
+      {{{"type", "object"}, {"properties", {{"x", {{"type", "string"}, {"pattern", "^a{1000}{1000}$"}}}}}},
+       f + ".properties.x.pattern"},
+      {{{"type", "string"}, {"pattern", "^(a{100}){100}$"}}, f + ".pattern"},
+      {{{"type", "string"}, {"pattern", "^.{0,1000}$"}}, f + ".pattern"},
+      {{{"type", "string"}, {"pattern", "^[^@]{0,64}$"}}, f + ".pattern"},  // a broad class: ~6 s
+      // A property named as a keyword is a schema all the same.
+      {{{"type", "object"}, {"properties", {{"enum", {{"type", "string"}, {"pattern", "^(a{100}){100}$"}}}}}},
+       f + ".properties.enum.pattern"},
+      {{{"type", "string"}, {"pattern", std::string(kMaxPatternLength + 1, 'a')}}, f + ".pattern"},
+      {{{"type", "object"}, {"patternProperties", {{"^[a-z]{0,5000}$", {{"type", "integer"}}}}}}, f + ".patternProperties"},
+  };
+  for (const auto& [schema, at] : cases) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string got = field([&] { grammars_->json_schema(schema, false, f); });
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(200)) << at;
+    EXPECT_EQ(got.rfind(at + " | '" + at + "': ", 0), 0u) << got;
+    EXPECT_NE(got.find("the most kestrel compiles"), std::string::npos) << got;
+  }
+  // A request's tools count together, the error naming the tool that goes past the limit.
+  json tools = json::array();
+  for (int i = 0; i < 3; ++i)
+    tools.push_back({{"type", "function"},
+                     {"function", {{"name", "f" + std::to_string(i)},
+                                   {"parameters", {{"type", "object"}, {"properties", {{"e", {{"enum", many(1500, [](size_t k) { return json(k); })}}}}}}}}}});
+  EXPECT_EQ(field([&] { grammars_->tool_calls(tools, ToolFormat::Hermes, "", false); }).rfind("tools[2].function.parameters | ", 0), 0u);
+  // Within the limits: large bounds XGrammar counts at run time, a pattern's short repetitions,
+  // strings in enums (values, whose keys are not schemas' keywords), recursion.
+  for (const char* ok : {R"({"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 100000})",
+                         R"({"type": "string", "minLength": 100000})",
+                         R"({"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 100000})",
+                         R"({"type": "string", "pattern": "^[A-Za-z0-9_]{1,64}$"})",
+                         R"({"type": "string", "pattern": "^\\d{3}-\\d{4}$"})",
+                         R"({"type": "string", "pattern": "^[^@]+@[^@]+\\.[^@]{2,}$"})",
+                         R"({"enum": [{"pattern": "a{100000}"}, "x"]})",
+                         R"({"$defs": {"n": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}},
+                             "$ref": "#/$defs/n"})"})
+    EXPECT_EQ(field([&] { grammars_->json_schema(json::parse(ok), false, f); }), "<accepted>") << ok;
 }
 
 TEST_F(Grammar, JsonObjectAndStopTokens) {
@@ -336,6 +425,15 @@ TEST_F(StructuredServer, BadSchemasAre400sNamingTheField) {
       "schema":{"type":"object","properties":{"a":{"type":"string"}},"required":["a"]}}})"))["param"], f);
   EXPECT_EQ(refused(request(R"(,"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"nonsense"}}}],
       "tool_choice":{"type":"function","function":{"name":"f"}})"))["param"], "tools[0].function.parameters");
+  // Past kestrel's limits, at once (the request thread would otherwise compile for minutes).
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(refused(request(R"(,"response_format":{"type":"json_schema","json_schema":{"name":"x",
+      "schema":{"type":"object","properties":{"x":{"type":"string","pattern":"^(a{1000}){1000}$"}}}}})"))["param"],
+            f + ".properties.x.pattern");
+  EXPECT_EQ(refused(request(R"(,"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object",
+      "properties":{"x":{"type":"string","pattern":"^.{0,5000}$"}}}}}],"tool_choice":"required")"))["param"],
+            "tools[0].function.parameters.properties.x.pattern");
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
   // The server still serves.
   EXPECT_EQ(ok(request(R"(,"max_tokens":2)"))["choices"].size(), 1u);
 }
