@@ -18,8 +18,8 @@ if has build; then
   echo "build: $(( $(date +%s) - start )) s"
 fi
 T="$BUILD/tests/gpu/kestrel_gpu_tests"
-# The open A/Bs (docs/PERF.md v37), each side tested and timed: "" is the default.
-AB=("" "KESTREL_STAGE_L2=first" "KESTREL_STAGE_COMBINE=fused" "KESTREL_STAGE_L2=first KESTREL_STAGE_COMBINE=fused")
+# The open A/Bs, each side tested and timed ("" is the default; add "VAR=value" while one is open).
+AB=("")
 if has tests; then
   for i in "${!AB[@]}"; do
     env ${AB[$i]} "$T" --gtest_filter='*Stages*' >"$OUT/stages_tests_$i.log" 2>&1
@@ -29,7 +29,7 @@ if has tests; then
 fi
 if has sanitize && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck synccheck; do
-    KESTREL_STAGE_COMBINE=fused KESTREL_STAGE_L2=first compute-sanitizer --tool "$tool" --error-exitcode 9 "$T" \
+    compute-sanitizer --tool "$tool" --error-exitcode 9 "$T" \
       --gtest_filter='Families/CudaStagesTest.*qwen3moe_nvfp4*' \
       >"$OUT/sanitizer_stages_$tool.log" 2>&1
     echo "compute-sanitizer $tool on the stage step: exit $? ($(grep -cE 'ERROR SUMMARY: 0|RACECHECK SUMMARY: 0 hazards' \

@@ -38,9 +38,6 @@ struct SArgs {
   float* part_ml = nullptr;  // [batch, heads, splits, 2] each split's max and sum
   float* part = nullptr;     // [batch, heads, splits, head_dim] each split's weighted values
   float* att = nullptr;      // [batch, heads head_dim]
-  // When set (A/B open, KESTREL_STAGE_COMBINE=fused): splits ended per (token, KV head); the last
-  // split of a group merges its heads, and the step has no combine stage.
-  uint32_t* split_done = nullptr;
   float* rlogits = nullptr;  // [batch, experts]
   float* act = nullptr;      // MoE: [distinct experts, B, expert width]; dense: [batch, intermediate]
   float* act_shared = nullptr;  // [batch, shared expert width]

@@ -32,9 +32,8 @@ __device__ __forceinline__ void qk_norm_rows(float* v, int n, int hd, const floa
   }
 }
 
-// Item (token x head, 32 dimensions) of the splits' merge, by one warp. Loads through the L2
-// (.cg): a block that merges right after its own split (the fused path) may hold lines of an
-// earlier layer's parts in its L1.
+// Item (token x head, 32 dimensions) of the splits' merge, by one warp. The parts come from other
+// blocks and are read once: loads through the L2 (.cg).
 __device__ __forceinline__ void combine_item(const SArgs& a, int bh, int d) {
   const int hd = a.head_dim, splits = a.splits;
   constexpr int kRegs = kStageMaxSplits / 32;
@@ -217,22 +216,6 @@ __device__ __noinline__ void stage_attention_split(const SArgs& a, const DLayer&
     if (threadIdx.x < G) {
       a.part_ml[(base + size_t(threadIdx.x) * splits) * 2] = s_m[threadIdx.x];
       a.part_ml[(base + size_t(threadIdx.x) * splits) * 2 + 1] = s_l[threadIdx.x];
-    }
-    if (a.split_done) {  // the fused merge: the last of the group's splits to end merges its heads
-      __shared__ int last;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        __threadfence();  // this block's parts before its count
-        uint32_t* done = a.split_done + b * nkv + kvh;
-        last = atomicAdd(done, 1u) == uint32_t(splits - 1);
-        if (last) *done = 0, __threadfence();  // the next layer counts again; the others' parts after theirs
-      }
-      __syncthreads();
-      if (last) {
-        const int chunks = (hd + 31) / 32;
-        for (int i = stage_warp(); i < G * chunks; i += kStageWarps)
-          combine_item(a, b * nq + kvh * G + i / chunks, (i % chunks) * 32 + stage_lane());
-      }
     }
     __syncthreads();  // shared memory is the next item's
   }

@@ -69,14 +69,11 @@ __device__ __forceinline__ void for_row_groups(int groups, F&& f) {
   for (int g = g0 + stage_warp(); g < g1; g += kStageWarps) f(g);
 }
 
-// The L2 policy of the weights' loads (A/B open, KESTREL_STAGE_L2=first: stage_step.cu sets it):
-// evict-first keeps the kernel's code and the activations in the L2 while the weights stream.
-__constant__ uint32_t c_weights_evict_first;
-
+// The weights' loads mark their lines evict-first in the L2, which keeps the kernel's code and
+// the activations there while the weights stream past (docs/PERF.md v37: -12% at batch 1).
 __device__ __forceinline__ uint64_t weight_policy() {
   uint64_t p;
-  if (c_weights_evict_first) asm("createpolicy.fractional.L2::evict_first.b64 %0, 0f3F800000;" : "=l"(p));
-  else asm("createpolicy.fractional.L2::evict_normal.b64 %0, 0f3F800000;" : "=l"(p));
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 0f3F800000;" : "=l"(p));
   return p;
 }
 __device__ __forceinline__ uint4 ld_weights(const uint4* p, uint64_t pol) {

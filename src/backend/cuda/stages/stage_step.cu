@@ -4,8 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 
 #include "backend/cuda/check.h"
@@ -120,10 +118,8 @@ __global__ void __launch_bounds__(kStageThreads, 1) stage_step_kernel(const SArg
     stage_attention_split<B, T>(a, L, s_kv[l & 1], scratch);
     if (!next()) return;
     load_layer(a, l + 1, s_layer, s_kv);  // read from the next layer's first stage on
-    if (!a.split_done) {
-      stage_attention_combine(a);
-      if (!next()) return;
-    }
+    stage_attention_combine(a);
+    if (!next()) return;
     stage_linear<B>(L.o, a.att, a.heads * a.head_dim, a.batch, a.x, H, true, s_red);
     if (!next()) return;
     stage_norm<B>(a.x, L.ffn_norm, a.batch, H, a.eps, xn, s_red);  // kept for the next stage
@@ -241,8 +237,6 @@ StageStep::StageStep(const DeviceModel& model, Decoder& kv, int batch) : d_(std:
   a.act_shared = device_zeros<float>(Bs * size_t(shared_width), owned);
   a.logits = device_zeros<float>(Bs * size_t(c.vocab_size), owned);
   logits_ = a.logits;
-  const char* combine = std::getenv("KESTREL_STAGE_COMBINE");
-  if (combine && std::string(combine) == "fused") a.split_done = device_zeros<uint32_t>(size_t(8) * nkv, owned);
   a.arrived = device_zeros<uint32_t>(1, owned);
   a.epoch = device_zeros<uint32_t>(1, owned);
   a.blocks_done = device_zeros<uint32_t>(1, owned);
@@ -251,8 +245,7 @@ StageStep::StageStep(const DeviceModel& model, Decoder& kv, int batch) : d_(std:
   // The stages of a step, and the barriers between them.
   stages_.push_back(Stage::Embed);
   for (const DLayer& L : model.layers()) {
-    for (Stage s : {Stage::Qkv, Stage::Attention, Stage::Combine, Stage::O})
-      if (s != Stage::Combine || !a.split_done) stages_.push_back(s);
+    for (Stage s : {Stage::Qkv, Stage::Attention, Stage::Combine, Stage::O}) stages_.push_back(s);
     if (L.is_moe)
       for (Stage s : {Stage::Router, Stage::ExpertGateUp, Stage::ExpertDown}) stages_.push_back(s);
     else
@@ -274,9 +267,6 @@ StageStep::StageStep(const DeviceModel& model, Decoder& kv, int batch) : d_(std:
   else if (Bt == 2) pick(std::integral_constant<int, 2>{});
   else if (Bt == 4) pick(std::integral_constant<int, 4>{});
   else pick(std::integral_constant<int, 8>{});
-  const char* l2 = std::getenv("KESTREL_STAGE_L2");
-  const uint32_t evict_first = l2 && std::string(l2) == "first";
-  KESTREL_CUDA_CHECK(cudaMemcpyToSymbol(c_weights_evict_first, &evict_first, sizeof evict_first));
   KESTREL_CUDA_CHECK(cudaFuncSetAttribute(d_->kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(d_->smem)));
   int per_sm = 0;
   KESTREL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, d_->kernel, kStageThreads, d_->smem));
@@ -342,7 +332,6 @@ void StageStep::reset() {
   KESTREL_CUDA_CHECK(cudaMemset(a.epoch, 0, 4));
   KESTREL_CUDA_CHECK(cudaMemset(a.blocks_done, 0, 4));
   KESTREL_CUDA_CHECK(cudaMemset(a.error, 0, 4));
-  if (a.split_done) KESTREL_CUDA_CHECK(cudaMemset(a.split_done, 0, size_t(a.kv_heads) * 8 * 4));
 }
 
 }  // namespace kestrel::cuda
