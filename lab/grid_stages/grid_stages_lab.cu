@@ -20,6 +20,14 @@
 //   smem       + instead copied into shared memory (cp.async.bulk, two slots), read from there
 //   regs       each thread's first eight loads of a stage issued before the stage's barrier
 //              (all but gate/up, whose addresses come from the route), the rest after it
+//   ring       weights never wait for activations: one producer thread (warp 15) walks the
+//              block's shares of every stage in order and bulk-copies them in pages of 16 KB into
+//              a ring of 12 (full/empty mbarriers), running ahead across barriers and layers as far
+//              as the ring allows; gate/up's (and down's) only once the consumers have passed the
+//              barrier before gate/up (the route is known there). The other 15 warps pass the
+//              grid barriers (a named barrier of 480 threads inside the block) and read the pages.
+//   ringstream the ring without the grid barriers (what the bulk copies alone stream at)
+//   ringbig    the ring in 6 pages of 32 KB
 // Usage: grid_stages_lab [threads] [steps]     (512 threads per block, one block per SM; 20 steps)
 //
 // Measured (H100 80 GB HBM3, copy bandwidth 3.01 TB/s, floor 0.756 ms, 2026-12-07; docs/PERF.md
@@ -48,7 +56,7 @@
 constexpr int kLayers = 48, kStages = 7, kPool = 16, kTopK = 8;
 constexpr uint32_t kSlotBytes = 110 * 1024;  // two slots of shared memory
 enum Kind { kFixed, kGateUp, kDown, kNone };
-enum Mode { kBarriers, kStream, kRead, kL2, kSmem, kRegs };
+enum Mode { kBarriers, kStream, kRead, kL2, kSmem, kRegs, kRing, kRingStream, kRingBig };
 
 struct Stage {
   const uint8_t* base;  // layer l's bytes at base + l * layer_stride
@@ -64,6 +72,8 @@ struct Lab {
   unsigned* counter;    // the barrier's, counts up across launches
   unsigned long long* sink;
   int mode, step;
+  uint32_t page_bytes;  // ring modes
+  int pages;
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
@@ -257,6 +267,107 @@ __global__ void stages_kernel(const Lab L) {
   if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) atomicAdd(L.sink, 1ull);  // the loads live
 }
 
+// ---- ring: a producer thread ahead of the consumers (see the header) ----
+constexpr int kPages = 12;
+constexpr uint32_t kPageBytes = 16 * 1024;
+constexpr int kConsumerWarps = 15;
+
+// The consumers' grid barrier: bar.sync 1 over their 480 threads instead of __syncthreads (the
+// producer warp never joins it).
+__device__ __forceinline__ void consumer_barrier(unsigned* c, unsigned target) {
+  asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32) : "memory");
+  if (threadIdx.x == 0) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
+    unsigned v;
+    do asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
+    while (int(v - target) < 0);
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  }
+  asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32) : "memory");
+}
+
+// Calls f(p, n) for the block's chunks of stage g (g == kLayers * kStages: the LM head), in the
+// order the producer copies them and the consumers read them.
+template <class F>
+__device__ __forceinline__ void for_chunks(const Lab& L, const int* route, int g, F&& f) {
+  Piece ps[2];
+  int n = 0;
+  if (g < kLayers * kStages) {
+    n = pieces(L, g % kStages, g / kStages, route, ps);
+  } else {
+    size_t lo, hi;
+    share(L.head_bytes, lo, hi);
+    if (lo < hi) ps[0] = {L.head + lo, uint32_t(hi - lo)}, n = 1;
+  }
+  for (int k = 0; k < n; ++k)
+    for (uint32_t at = 0; at < ps[k].n; at += L.page_bytes) f(ps[k].p + at, min(L.page_bytes, ps[k].n - at));
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+__global__ void ring_kernel(const Lab L) {
+  __shared__ uint64_t full[kPages], empty[kPages];
+  __shared__ volatile int routed;  // the last gate/up stage whose barrier the consumers passed
+  const int* route = L.route + size_t(L.step) * kLayers * kTopK;
+  const unsigned blocks = gridDim.x;
+  unsigned passed = unsigned(L.step) * (kLayers * kStages);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kPages; ++i) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[i])) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&empty[i])), "r"(kConsumerWarps) : "memory");
+    }
+    routed = -1;
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
+  const int G = kLayers * kStages;
+  if (warp == kConsumerWarps) {  // the producer
+    if (lane != 0) return;
+    int i = 0;
+    for (int g = 0; g <= G; ++g) {
+      if (g < G && L.st[g % kStages].kind == kGateUp)
+        while (routed < g) __nanosleep(64);  // the route comes after gate/up's barrier
+      for_chunks(L, route, g, [&](const uint8_t* p, uint32_t n) {
+        const int page = i % L.pages, round = i / L.pages;
+        if (round > 0) mbar_wait(&empty[page], uint32_t(round - 1) & 1);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&full[page])), "r"(n) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                         smem_addr(smem + size_t(page) * L.page_bytes)),
+                     "l"(p), "r"(n), "r"(smem_addr(&full[page]))
+                     : "memory");
+        ++i;
+      });
+    }
+    return;
+  }
+  uint4 acc = make_uint4(0, 0, 0, 0);
+  int i = 0;
+  for (int g = 0; g <= G; ++g) {
+    if (g > 0 && L.mode != kRingStream) consumer_barrier(L.counter, (passed += 1) * blocks);
+    if (g < G && L.st[g % kStages].kind == kGateUp && threadIdx.x == 0) routed = g;
+    for_chunks(L, route, g, [&](const uint8_t*, uint32_t n) {
+      const int page = i % L.pages, round = i / L.pages;
+      mbar_wait(&full[page], uint32_t(round) & 1);
+      const uint4* q = reinterpret_cast<const uint4*>(smem + size_t(page) * L.page_bytes);
+      for (uint32_t u = threadIdx.x; u < n / 16; u += kConsumerWarps * 32) {
+        const uint4 v = q[u];
+        acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
+      }
+      __syncwarp();
+      if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(&empty[page])) : "memory");
+      ++i;
+    });
+  }
+  if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) atomicAdd(L.sink, 1ull);
+}
+
 int main(int argc, char** argv) {
   const int threads = argc > 1 ? std::atoi(argv[1]) : 512;
   const int steps = argc > 2 ? std::atoi(argv[2]) : 20;
@@ -325,15 +436,20 @@ int main(int argc, char** argv) {
   std::printf("per layer: q/k/v %.2f, attention %.2f, o %.2f, router %.2f, gate/up %.2f, down %.2f MB; %d barriers\n",
               qkv / MB, kv / MB, o / MB, router / MB, gate_up * kTopK / MB, down * kTopK / MB, kLayers * kStages);
   CHECK(cudaFuncSetAttribute(stages_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(2 * kSlotBytes)));
-  const char* names[] = {"barriers", "stream", "read", "l2", "smem", "regs"};
-  for (int mode : {kBarriers, kStream, kRead, kL2, kSmem, kRegs}) {
+  CHECK(cudaFuncSetAttribute(ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kPages * kPageBytes)));
+  const char* names[] = {"barriers", "stream", "read", "l2", "smem", "regs", "ring", "ringstream", "ringbig"};
+  for (int mode : {kBarriers, kStream, kRead, kL2, kSmem, kRegs, kRing, kRingStream, kRingBig}) {
     CHECK(cudaMemset(L.counter, 0, 4));
     std::vector<float> t;
     for (int step = 0; step < steps + 3; ++step) {
       L.mode = mode, L.step = step;
       void* args[] = {&L};
       CHECK(cudaEventRecord(e0));
-      CHECK(cudaLaunchCooperativeKernel(stages_kernel, dim3(sms), dim3(threads), args, 2 * kSlotBytes, 0));
+      L.pages = mode == kRingBig ? 6 : kPages, L.page_bytes = mode == kRingBig ? 2 * kPageBytes : kPageBytes;
+      if (mode >= kRing)  // 16 warps: 15 consumers and the producer
+        CHECK(cudaLaunchCooperativeKernel(ring_kernel, dim3(sms), dim3((kConsumerWarps + 1) * 32), args, kPages * kPageBytes, 0));
+      else
+        CHECK(cudaLaunchCooperativeKernel(stages_kernel, dim3(sms), dim3(threads), args, 2 * kSlotBytes, 0));
       CHECK(cudaEventRecord(e1));
       CHECK(cudaEventSynchronize(e1));
       CHECK(cudaGetLastError());
@@ -342,7 +458,7 @@ int main(int argc, char** argv) {
     }
     std::sort(t.begin(), t.end());
     const double med = t[t.size() / 2];
-    const int barriers = mode == kStream ? 0 : kLayers * kStages;
+    const int barriers = mode == kStream || mode == kRingStream ? 0 : kLayers * kStages;
     std::printf("  %-9s %7.3f ms (x%.2f floor)%s", names[mode], med, med / floor_ms, "");
     if (mode == kBarriers) std::printf("  %.2f us per barrier", med * 1e3 / barriers);
     else std::printf("  %.2f TB/s", total / (med * 1e-3) / 1e12);
