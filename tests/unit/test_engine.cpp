@@ -1060,6 +1060,18 @@ TEST_P(MtpEngine, GivesThePlainGreedyTokens) {
     for (int i = 0; i < 100 && e.stats().running > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     EXPECT_EQ(backend->kv_blocks_held(), 0) << "a finished sequence kept KV blocks";
   }
+  // Sampling with log-probabilities goes through the same checks (the distribution is
+  // Sampler::verify's, tested in test_speculative.cpp).
+  EngineOptions so = o;
+  so.speculation.method = "mtp";
+  so.speculation.draft_tokens = 3;
+  Engine e(*model, so);
+  GenerationRequest r = request(repeating_prompt(20, 30), 40, 0.9f, 7);
+  r.top_logprobs = 2;
+  const Result sampled = drain(*e.submit(r));
+  EXPECT_EQ(sampled.tokens.size(), 40u);
+  EXPECT_EQ(sampled.finish, Finish::Length) << sampled.error;
+  EXPECT_GT(e.stats().speculation.verifications, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, MtpEngine, ::testing::Values("deepseekv3-bf16", "glm5-bf16"), test::fixture_test_name);
