@@ -56,6 +56,7 @@ Run add_chat(CLI::App& app) {
     check_device_option(o->device);
     check_kv_dtype_option(o->kv_dtype);
     check_sampler_options(o->reply.sampling);
+    check_speculation_options(o->reply.speculation);
     if (o->reply.max_tokens < 1) fail("--max-tokens: must be >= 1, got ", o->reply.max_tokens);
     if (o->context < 2) fail("--context: must be at least 2, got ", o->context);
     if (!std::filesystem::exists(o->model)) fail(o->model, ": no such file or folder");
@@ -63,7 +64,8 @@ Run add_chat(CLI::App& app) {
     auto model = load_model_as(o->model, o->quant, o->progress);
     const text::ModelChat chat = text::load_model_chat(*model, o->model);
     if (model->config.max_position_embeddings > 0) o->context = std::min(o->context, model->config.max_position_embeddings);
-    auto runner = Runner::make(*model, o->device, o->context, o->threads, o->layout, o->kv_dtype);
+    auto runner = Runner::make(*model, o->device, o->context, o->threads, o->layout, o->kv_dtype,
+                               o->reply.speculation.method == "mtp");
     const bool tty = isatty(STDIN_FILENO);
     std::fprintf(stderr, "kestrel chat (%s, context %lld): /reset starts over, /quit or Ctrl-D ends\n",
                  runner->describe().c_str(), (long long)o->context);

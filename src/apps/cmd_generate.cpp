@@ -57,6 +57,7 @@ Run add_generate(CLI::App& app) {
     if (o->reply.max_tokens < 0) fail("--max-tokens: must be >= 0, got ", o->reply.max_tokens);
     if (!o->system.empty() && !o->chat) fail("--system: needs --chat");
     check_sampler_options(o->reply.sampling);
+    check_speculation_options(o->reply.speculation);
     if (!std::filesystem::exists(o->model)) fail(o->model, ": no such file or folder");
 
     const text::Tokenizer tok = text::load_tokenizer_for_model(o->model);
@@ -76,7 +77,8 @@ Run add_generate(CLI::App& app) {
     const int64_t V = model->config.vocab_size;
     for (int32_t id : prompt)
       if (id < 0 || id >= V) fail("--prompt: token id ", id, " is outside the model's vocabulary of ", V);
-    auto runner = Runner::make(*model, o->device, int64_t(prompt.size()) + o->reply.max_tokens + 1, o->threads, o->layout, o->kv_dtype);
+    auto runner = Runner::make(*model, o->device, int64_t(prompt.size()) + o->reply.max_tokens + 1, o->threads, o->layout,
+                               o->kv_dtype, o->reply.speculation.method == "mtp");
     std::vector<int32_t> history = prompt;
     const Reply r = reply(*runner, tok, model->config.eos_token_ids, prompt, history, prompt.size(), o->reply, write_stdout);
     write_stdout("\n");

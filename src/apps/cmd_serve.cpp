@@ -176,7 +176,9 @@ Run add_serve(CLI::App& app) {
     check_device_option(o->device);
     check_kv_dtype_option(o->kv_dtype);
     check_speculation_options(o->speculation);
-    const bool speculating = o->speculation.method != "none";
+    const bool speculating = o->speculation.method != "none", mtp = o->speculation.method == "mtp";
+    if (mtp && (o->device == "cuda" || o->random_weights))
+      fail("--speculative mtp: drafting with the MTP layer is not built yet on the GPU (--device cpu runs it)");
     if (speculating && !o->test_scripted_reply.empty())
       fail("--test-scripted-reply: not with --speculative (scripted replies are the backend's draws, which a check "
            "does not offer)");
@@ -235,7 +237,9 @@ Run add_serve(CLI::App& app) {
 #ifdef KESTREL_HAVE_CUDA
     std::unique_ptr<cuda::GpuModel> gpus;
     if (o->random_weights && !gpu_present()) fail("--random-weights: no CUDA GPU is visible (the weights are made on it)");
-    if (o->device == "cuda" || (o->device == "auto" && gpu_present())) {
+    if (mtp && o->device == "auto" && gpu_present())
+      std::fprintf(stderr, "kestrel: serving on the CPU: --speculative mtp drafts on the CPU only\n");
+    if (o->device == "cuda" || (o->device == "auto" && gpu_present() && !mtp)) {
       const cuda::KvType kv = kv_type_for(model->config, o->kv_dtype);  // a refused --kv-dtype is the user's error
       // --kv-memory was counted in float32 positions: a BF16 pool holds twice as many.
       const int64_t kv_gpu = o->kv_memory.empty() ? kv_given : kv_given * 4 / int64_t(cuda::kv_type_bytes(kv));

@@ -61,10 +61,11 @@ void add_quant_option(CLI::App& app, std::string& quant) {
 
 void add_speculation_options(CLI::App& app, SpeculationOptions& o) {
   app.add_option("--speculative", o.method,
-                 "none (default) or ngram: draft tokens by prompt lookup and check them in one run (same greedy "
-                 "output, same sampling distribution)");
+                 "none (default), ngram (draft tokens by prompt lookup) or mtp (with the model's MTP layer: "
+                 "DeepSeek-V3/R1, GLM-5; CPU, unsplit), checked in one run (same greedy output, same sampling "
+                 "distribution)");
   app.add_option("--draft-tokens", o.draft_tokens,
-                 "The most tokens drafted per check with --speculative (1..16, default 8)");
+                 "The most tokens drafted per check with --speculative (1..16, default 8; with mtp 1 to 4 make sense)");
 }
 
 void add_layout_options(CLI::App& app, Layout& layout) {

@@ -28,8 +28,9 @@ void check_quant_option(const std::string& quant);
 // --tp N --ep M: how the model is split over GPUs (threads on the CPU); see parallel/layout.h.
 void add_layout_options(CLI::App& app, Layout& layout);
 
-// --speculative none|ngram --draft-tokens K: prompt-lookup speculation (runtime/speculative.h), the
-// same flags for generate, chat and serve; check_speculation_options checks them.
+// --speculative none|ngram|mtp --draft-tokens K: speculation by prompt lookup
+// (runtime/speculative.h) or with the model's MTP layer (runtime/mtp_drafter.h), the same flags
+// for generate, chat and serve; check_speculation_options checks them.
 void add_speculation_options(CLI::App& app, SpeculationOptions& o);
 
 // --kv-dtype auto|f32|bf16: the type of the GPU's KV cache. auto: bf16 for grouped-query

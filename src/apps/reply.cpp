@@ -37,18 +37,28 @@ using clock_type = std::chrono::steady_clock;
 // The speculative loop: each round runs the token the previous round left unrun (if any) and the
 // drafts after it in one run, checks the drafts in order against the logits before each, keeps
 // the accepted ones in the cache and rewinds the rest. `logits` holds the prefill's last logits.
+// Prompt lookup drafts from the history alone, so after a round that accepted every draft it
+// drafts again at once; the MTP layer drafts after a chosen token, so the target's own token is
+// drawn first.
 template <class Emit>
 void speculate(Runner& runner, std::vector<float>& logits, std::vector<int32_t>& history, size_t prompt_len,
                const ReplyOptions& o, Sampler& sampler, Reply& r, Emit&& emit) {
   const SpeculationOptions& so = o.speculation;
+  const bool mtp = so.method == "mtp";
   const size_t V = size_t(runner.vocab());
   std::vector<float> rows;
   std::vector<int32_t> pending;  // emitted, not yet run
   DraftLength length(so.draft_tokens);
   while (r.generated < o.max_tokens) {
+    if (mtp && pending.empty()) {
+      const int32_t next = sampler.sample(logits, history, prompt_len);
+      if (emit(next) != Taken::More) return;
+      pending = {next};
+    }
     const int room = o.max_tokens - r.generated;  // the target's own token always fits
     const int k = std::min(length.next(), room - 1);
-    const std::vector<int32_t> draft = k > 0 ? ngram_draft(history, k, so.max_match, so.min_match) : std::vector<int32_t>{};
+    std::vector<int32_t> draft;
+    if (k > 0) draft = mtp ? runner.draft_mtp(pending[0], k) : ngram_draft(history, k, so.max_match, so.min_match);
     std::vector<int32_t> run = pending;
     run.insert(run.end(), draft.begin(), draft.end());
     const int64_t base = runner.position();
@@ -110,7 +120,7 @@ Reply reply(Runner& runner, const text::Tokenizer& tok, const std::vector<int64_
   const auto t0 = clock::now();
   logits.resize(static_cast<size_t>(runner.vocab()));
   check_speculation_options(o.speculation);
-  if (o.speculation.method == "ngram") {
+  if (o.speculation.method != "none") {
     // Sampled on the host: the check needs the logits of every drafted position.
     runner.run(fresh, logits.data(), false);
     r.prefill_s = std::chrono::duration<double>(clock::now() - t0).count();

@@ -40,9 +40,9 @@ void add_reply_options(CLI::App& app, ReplyOptions& o);
 
 // `history` is everything the runner holds followed by `fresh` (the new prompt tokens, already
 // appended); `prompt_len` is where the output for penalties starts. Generated tokens are appended to
-// history. `emit` receives text as it becomes final. With o.speculation (prompt lookup), drafted
-// tokens are checked in runs of several; greedy output is the same token for token, sampled
-// output has the same distribution (Sampler::verify).
+// history. `emit` receives text as it becomes final. With o.speculation (prompt lookup, or the MTP
+// layer on a runner made with mtp_drafts), drafted tokens are checked in runs of several; greedy
+// output is the same token for token, sampled output has the same distribution (Sampler::verify).
 
 Reply reply(Runner& runner, const text::Tokenizer& tok, const std::vector<int64_t>& eos, std::span<const int32_t> fresh,
             std::vector<int32_t>& history, size_t prompt_len, const ReplyOptions& o,

@@ -6,6 +6,9 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
+
+#include "common/error.h"
 
 #include "model/weights.h"
 #include "parallel/layout.h"
@@ -16,9 +19,12 @@ namespace kestrel::apps {
 class Runner {
  public:
   // capacity: the most tokens the sequence will hold; threads: CPU threads (0: all cores);
-  // layout: the split over GPUs (over threads on the CPU); kv_dtype: --kv-dtype (model_options.h).
+  // layout: the split over GPUs (over threads on the CPU); kv_dtype: --kv-dtype (model_options.h);
+  // mtp_drafts: keep the MTP layer's drafter beside the cache (--speculative mtp: the CPU, an
+  // unsplit model with an MTP layer; auto then picks the CPU).
   static std::unique_ptr<Runner> make(const Model& model, const std::string& device, int64_t capacity, int threads,
-                                      const Layout& layout = {}, const std::string& kv_dtype = "auto");
+                                      const Layout& layout = {}, const std::string& kv_dtype = "auto",
+                                      bool mtp_drafts = false);
   virtual ~Runner() = default;
   // Runs `tokens` at the next positions: all at once on the CPU (prefill), one decode step per
   // token on the GPU. `logits` receives [tokens, vocab] if `all`, else the last token's [vocab].
@@ -30,6 +36,11 @@ class Runner {
   virtual int32_t run_sample(std::span<const int32_t> tokens, float* logits, const SamplerOptions& o, uint64_t draw) {
     run(tokens, logits, false);
     return -1;
+  }
+  // k drafts from the model's MTP layer of the tokens after `next`, the token at position()
+  // (chosen, not run yet): a runner made with mtp_drafts (runtime/mtp_drafter.h).
+  virtual std::vector<int32_t> draft_mtp(int32_t next, int k) {
+    fail("internal: ", describe(), " was made without the MTP drafter");
   }
   // Forgets every position: the next run starts at position 0.
   virtual void reset() = 0;

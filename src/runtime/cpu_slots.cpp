@@ -3,6 +3,7 @@
 #include "backend/cpu/forward.h"
 #include "common/error.h"
 #include "runtime/kv_cache.h"
+#include "runtime/mtp_drafter.h"
 #include "runtime/sequence_slots.h"
 
 namespace kestrel {
@@ -10,12 +11,16 @@ namespace {
 
 class CpuSlots final : public SequenceSlots {
  public:
-  CpuSlots(const Model& m, int slots, int threads, const Layout& layout, int64_t kv_positions, bool prefix_cache)
-      : pool_(threads), fwd_(m, pool_, layout), caches_(size_t(slots)), chains_(size_t(slots)), vocab_(m.config.vocab_size),
-        layout_(layout) {
+  CpuSlots(const Model& m, int slots, int threads, const Layout& layout, int64_t kv_positions, bool prefix_cache,
+           bool mtp_drafts)
+      : pool_(threads), fwd_(m, pool_, layout), caches_(size_t(slots)), chains_(size_t(slots)), drafters_(size_t(slots)),
+        config_(m.config), layout_(layout), mtp_(mtp_drafts) {
+    if (mtp_) check_mtp_drafting(m, layout);
+    // With MTP drafters prompts run whole, without the prefix cache: the MTP layer needs the
+    // target's hidden state at every position, and cached blocks keep none.
     if (!fwd_.split())
       blocks_ = std::make_shared<KvBlockPool>(m.config.num_layers, fwd_.kv_layout(), KvBlockPool::blocks_for(kv_positions),
-                                              prefix_cache);
+                                              prefix_cache && !mtp_);
   }
 
   int slots() const override { return int(caches_.size()); }
@@ -24,6 +29,7 @@ class CpuSlots final : public SequenceSlots {
   Opened open(int64_t positions, std::span<const int32_t> prompt) override {
     for (size_t i = 0; i < caches_.size(); ++i)
       if (!caches_[i]) {
+        if (mtp_) drafters_[i] = std::make_unique<MtpDrafter>(fwd_, config_, positions);
         if (!blocks_) {
           caches_[i] = std::make_unique<KvCache>(fwd_.make_cache(positions));
           return {int(i), 0};
@@ -39,7 +45,10 @@ class CpuSlots final : public SequenceSlots {
       }
     fail("internal: no free sequence slot of ", caches_.size());
   }
-  void close(int slot) override { caches_.at(size_t(slot)).reset(); }
+  void close(int slot) override {
+    caches_.at(size_t(slot)).reset();
+    drafters_.at(size_t(slot)).reset();
+  }
   bool prefix_cache() const override {
     return blocks_ && blocks_->with_ids([](KvBlocks& ids) { return ids.prefix_cache(); });
   }
@@ -48,15 +57,23 @@ class CpuSlots final : public SequenceSlots {
   }
 
   void run(std::span<const Job> jobs) override {
+    const int64_t V = config_.vocab_size;
     for (const Job& j : jobs) {
       KvCache& cache = *caches_.at(size_t(j.slot));
-      if (!j.logits || j.tokens.size() == 1 || j.all_logits) {
-        fwd_.run(j.tokens, cache, j.logits);  // the forward pass writes every token's logits
-      } else {
-        all_.resize(j.tokens.size() * size_t(vocab_));
-        fwd_.run(j.tokens, cache, all_.data());
-        std::copy(all_.end() - vocab_, all_.end(), j.logits);
+      MtpDrafter* drafter = drafters_.at(size_t(j.slot)).get();
+      float* hidden = nullptr;  // what the MTP drafter reads
+      if (drafter) {
+        hidden_.resize(j.tokens.size() * size_t(config_.hidden_size));
+        hidden = hidden_.data();
       }
+      if (!j.logits || j.tokens.size() == 1 || j.all_logits) {
+        fwd_.run(j.tokens, cache, j.logits, hidden);  // the forward pass writes every token's logits
+      } else {
+        all_.resize(j.tokens.size() * size_t(V));
+        fwd_.run(j.tokens, cache, all_.data(), hidden);
+        std::copy(all_.end() - V, all_.end(), j.logits);
+      }
+      if (drafter) drafter->ran(j.tokens, hidden);
       // A verification's blocks are published by the rewind that follows it.
       if (blocks_)
         blocks_->with_ids(
@@ -68,12 +85,18 @@ class CpuSlots final : public SequenceSlots {
   void rewind(int slot, int64_t position) override {
     KvCache& cache = *caches_.at(size_t(slot));
     cache.truncate(position);
+    if (MtpDrafter* drafter = drafters_.at(size_t(slot)).get()) drafter->rewind(position);
     if (blocks_)
       blocks_->with_ids([&](KvBlocks& ids) {
         PrefixChain& chain = chains_[size_t(slot)];
         chain.rewind(size_t(cache.length()));
         chain.publish(cache.block_ids(), ids);
       });
+  }
+  bool can_draft_mtp() const override { return mtp_; }
+  std::vector<int32_t> draft_mtp(int slot, int32_t next, int k) override {
+    MtpDrafter* drafter = drafters_.at(size_t(slot)).get();
+    return drafter ? drafter->draft(next, k) : SequenceSlots::draft_mtp(slot, next, k);
   }
   int64_t kv_blocks_held() const override {
     return blocks_ ? blocks_->with_ids([](KvBlocks& ids) { return ids.held(); }) : -1;
@@ -89,16 +112,18 @@ class CpuSlots final : public SequenceSlots {
   std::shared_ptr<KvBlockPool> blocks_;  // shared by the sequences' caches (unsplit models)
   std::vector<std::unique_ptr<KvCache>> caches_;
   std::vector<PrefixChain> chains_;  // per slot
-  int64_t vocab_;
+  std::vector<std::unique_ptr<MtpDrafter>> drafters_;  // per slot, with mtp_
+  const ModelConfig& config_;
   Layout layout_;
-  std::vector<float> all_;
+  bool mtp_;
+  std::vector<float> all_, hidden_;
 };
 
 }  // namespace
 
 std::unique_ptr<SequenceSlots> make_cpu_slots(const Model& model, int slots, int threads, const Layout& layout,
-                                              int64_t kv_positions, bool prefix_cache) {
-  return std::make_unique<CpuSlots>(model, slots, threads, layout, kv_positions, prefix_cache);
+                                              int64_t kv_positions, bool prefix_cache, bool mtp_drafts) {
+  return std::make_unique<CpuSlots>(model, slots, threads, layout, kv_positions, prefix_cache, mtp_drafts);
 }
 
 }  // namespace kestrel

@@ -110,12 +110,16 @@ Engine::Engine(const Model& model, const EngineOptions& o, std::unique_ptr<Seque
   context_ = engine_context(model, o_);
   if (o_.kv_tokens <= 0) o_.kv_tokens = 32 * context_;
   o_.kv_tokens = std::max<int64_t>(1, o_.kv_tokens / KvBlockPool::kBlock) * KvBlockPool::kBlock;  // whole blocks
-  if (!slots_) slots_ = make_cpu_slots(model, o_.max_batch, o_.threads, o_.layout, o_.kv_tokens, o_.prefix_cache);
+  const bool mtp = o_.speculation.method == "mtp";
+  if (!slots_) slots_ = make_cpu_slots(model, o_.max_batch, o_.threads, o_.layout, o_.kv_tokens, o_.prefix_cache, mtp);
   if (slots_->slots() < o_.max_batch)
     fail("--max-batch ", o_.max_batch, ": ", slots_->describe(), " runs at most ", slots_->slots(), " sequences at once");
   if (speculating() && !slots_->can_verify())
     fail("--speculative ", o_.speculation.method, ": ", slots_->describe(),
          " cannot verify drafted tokens");
+  if (mtp && !slots_->can_draft_mtp())
+    fail("--speculative mtp: ", slots_->describe(), " does not draft with the MTP layer (built on the CPU only, not "
+         "yet on the GPU)");
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -277,9 +281,14 @@ void Engine::step_all() {
     } else {
       j.tokens = {&s.history.back(), 1};
       // Drafts, at most what max_tokens leaves after the target's own token of the check.
-      const SpeculationOptions& so = o_.speculation;
       const int k = s.draft_length ? std::min(s.draft_length->next(), s.req.max_tokens - s.generated - 1) : 0;
-      const std::vector<int32_t> draft = k > 0 ? ngram_draft(s.history, k, so.max_match, so.min_match) : std::vector<int32_t>{};
+      std::vector<int32_t> draft;
+      try {
+        if (k > 0) draft = drafts(s, k);
+      } catch (const std::exception& ex) {
+        finish(s, Finish::Error, ex.what());
+        continue;
+      }
       s.verifying.clear();
       if (!draft.empty()) {
         s.verifying.push_back(s.history.back());
@@ -324,6 +333,12 @@ void Engine::step_all() {
   const PrefixCacheStats p = slots_->prefix_stats();
   std::lock_guard<std::mutex> lock(mu_);
   prefix_ = p;
+}
+
+std::vector<int32_t> Engine::drafts(Sequence& s, int k) {
+  const SpeculationOptions& so = o_.speculation;
+  if (so.method == "mtp") return slots_->draft_mtp(s.slot, s.history.back(), k);
+  return ngram_draft(s.history, k, so.max_match, so.min_match);
 }
 
 void Engine::emit(Sequence& s, int32_t drawn) {

@@ -7,9 +7,10 @@
 // together and streamed through one RequestStream. Every step advances every running sequence
 // (sequence_slots.h: one after another on the CPU, one batched decode step on the GPU); each has
 // its own KV cache and sampler, so a request yields the same tokens alone or among many (on the
-// GPU to rounding). With speculation (EngineOptions::speculation, where the backend can verify: the
-// CPU), a decoding sequence drafts tokens by prompt lookup over its prompt and output and runs its
-// last token and the drafts in one job of every row's logits; the drafts the check accepts stream
+// GPU to rounding). With speculation (EngineOptions::speculation, where the backend can verify), a
+// decoding sequence drafts tokens by prompt lookup over its prompt and output, or with the
+// model's MTP layer (the CPU slots: SequenceSlots::draft_mtp), and runs its last token and the
+// drafts in one job of every row's logits; the drafts the check accepts stream
 // as tokens, the rest are rewound (the same greedy tokens as without; sampled ones from the same
 // distribution, but other draws of the seed's stream). A backend that samples itself (the GPU, for requests without penalties or
 // log-probabilities) draws from the same distribution as the host's sampler with a random stream
@@ -48,10 +49,11 @@ struct EngineOptions {
   bool prefix_cache = true;    // the CPU slots' (sequence_slots.h); the GPU's are made with their own
   int threads = 0;             // CPU threads (0: all cores)
   Layout layout;               // the model split over threads (parallel/layout.h)
-  // Prompt-lookup speculation of decoding sequences without a constraint (runtime/speculative.h;
-  // the backend must verify: SequenceSlots::can_verify). Drafted tokens are not prompt tokens:
-  // they leave step_tokens to the prompts, and a step runs at most draft_tokens more rows per
-  // decoding sequence.
+  // Speculation of decoding sequences without a constraint, by prompt lookup or with the MTP
+  // layer (runtime/speculative.h; the backend must verify: SequenceSlots::can_verify, and for mtp
+  // draft: can_draft_mtp, the CPU slots, which then run prompts without the prefix cache). Drafted
+  // tokens are not prompt tokens: they leave step_tokens to the prompts, and a step runs at most
+  // draft_tokens more rows per decoding sequence.
   SpeculationOptions speculation;
 };
 
@@ -189,6 +191,8 @@ class Engine {
   void loop();
   // One step of every running sequence: the next prompt chunk or the last sampled token.
   void step_all();
+  // k drafts after the sequence's last token (EngineOptions::speculation's method).
+  std::vector<int32_t> drafts(Sequence& s, int k);
   // After a step that produced the sequence's next token: `drawn` when the backend sampled it
   // (SequenceSlots::Sample), else -1 and the host samples from the logits; stream, finish.
   void emit(Sequence& s, int32_t drawn);

@@ -68,6 +68,13 @@ class SequenceSlots {
   virtual void rewind(int slot, int64_t position) {
     fail("internal: ", describe(), " cannot rewind slot ", slot, " to ", position);
   }
+  // Whether draft_mtp() works: the CPU slots made with MTP drafters (mtp_drafter.h); not yet the GPU's.
+  virtual bool can_draft_mtp() const { return false; }
+  // k drafts from the model's MTP layer of the tokens after `next`, the token at the slot's next
+  // position (chosen, not run yet).
+  virtual std::vector<int32_t> draft_mtp(int slot, int32_t next, int k) {
+    fail("internal: ", describe(), " cannot draft with the MTP layer");
+  }
   // KV blocks held by the open slots (-1 where the backend does not count them): for tests.
   virtual int64_t kv_blocks_held() const { return -1; }
   virtual std::string describe() const = 0;  // "cpu, 2 threads" or "cuda, ..."
@@ -75,8 +82,9 @@ class SequenceSlots {
 
 // The CPU reference backend: `slots` sequences whose KV caches share a pool of kv_positions
 // positions in blocks (kv_cache.h; a split model's ranks give each sequence caches of its own,
-// and have no prefix cache).
+// and have no prefix cache). With mtp_drafts each sequence also has an MTP drafter, whose cache
+// of its own is not counted in kv_positions (one layer of the model's).
 std::unique_ptr<SequenceSlots> make_cpu_slots(const Model& model, int slots, int threads, const Layout& layout,
-                                              int64_t kv_positions, bool prefix_cache = true);
+                                              int64_t kv_positions, bool prefix_cache = true, bool mtp_drafts = false);
 
 }  // namespace kestrel

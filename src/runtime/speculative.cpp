@@ -7,8 +7,8 @@
 namespace kestrel {
 
 void check_speculation_options(const SpeculationOptions& o) {
-  if (o.method != "none" && o.method != "ngram")
-    fail("--speculative: expected none or ngram, got '", o.method, "' (mtp runs on the GPU only: not built yet)");
+  if (o.method != "none" && o.method != "ngram" && o.method != "mtp")
+    fail("--speculative: expected none, ngram or mtp, got '", o.method, "'");
   if (o.draft_tokens < 1 || o.draft_tokens > 16) fail("--draft-tokens: expected 1..16, got ", o.draft_tokens);
   if (o.min_match < 1 || o.max_match < o.min_match) fail("speculation: match lengths ", o.min_match, "..", o.max_match);
 }

@@ -3,7 +3,8 @@
 // in one run of the target model over all of them (Sampler::verify), and the cache rewound past
 // the first rejected one. On text that repeats its input (quotes, code edits, summaries) most
 // drafts are accepted, and a run of k tokens costs about what one costs where reading the
-// weights dominates.
+// weights dominates. The other drafter, the model's own MTP layer, is runtime/mtp_drafter.h; the
+// draft length's policy and the check here serve both.
 #pragma once
 #include <cstdint>
 #include <span>
@@ -15,8 +16,12 @@
 namespace kestrel {
 
 struct SpeculationOptions {
-  std::string method = "none";  // none | ngram
-  int draft_tokens = 8;         // the most drafted per check, 1..16
+  // none | ngram (prompt lookup, below) | mtp (the model's MTP layer, runtime/mtp_drafter.h)
+  std::string method = "none";
+  // The most drafted per check, 1..16 (DraftLength adapts below it). Prompt lookup: up to 8 or
+  // more on repetitive text. MTP: 1 to 4, since each draft after the first is the layer's guess
+  // from its own guess and acceptance falls with depth.
+  int draft_tokens = 8;
   int max_match = 3;            // the longest suffix looked up, in tokens
   int min_match = 2;            // the shortest (one token recurs too often to be worth checking)
 };

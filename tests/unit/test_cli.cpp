@@ -76,7 +76,10 @@ TEST(Cli, ServeSpeculationFlags) {
   struct Case {
     std::string args, expect;
   } cases[] = {
-      {fx + "--speculative mtp", "--speculative: expected none or ngram"},
+      {fx + "--speculative eagle", "--speculative: expected none, ngram or mtp"},
+      {fx + "--speculative mtp --device cuda", "--speculative mtp: drafting with the MTP layer is not built yet on the GPU"},
+      {fx + "--speculative mtp --draft-tokens 17", "--draft-tokens: expected 1..16"},
+      {fx + "--speculative mtp --draft-tokens 3 --device cpu --port 70000", "--port: expected 0..65535"},
       {fx + "--speculative ngram --draft-tokens 0", "--draft-tokens: expected 1..16"},
       {fx + "--speculative ngram --draft-tokens 17", "--draft-tokens: expected 1..16"},
       {fx + "--speculative ngram --device cpu --test-scripted-reply hi", "--test-scripted-reply: not with --speculative"},
@@ -89,6 +92,20 @@ TEST(Cli, ServeSpeculationFlags) {
     EXPECT_LT(r.status, 128) << "crashed: " << c.args << "\n" << r.output;
     EXPECT_NE(r.output.find(c.expect), std::string::npos) << c.args << "\n" << r.output;
     EXPECT_EQ(r.output.find('\n'), r.output.size() - 1) << "more than one line: " << c.args << "\n" << r.output;
+  }
+}
+
+// --speculative mtp on a model without an MTP layer, once it has loaded: one line naming the
+// flag and the model's config.
+TEST(Cli, MtpSpeculationNeedsAnMtpLayer) {
+  const std::string model = test::fixture_dir("qwen3-chat");
+  for (const std::string& args : {"serve --model " + model + " --device cpu --port 0 --speculative mtp",
+                                  "generate --model " + model + " --device cpu --prompt hi --speculative mtp"}) {
+    auto r = test::run_kestrel(args);
+    EXPECT_NE(r.status, 0) << args;
+    EXPECT_LT(r.status, 128) << "crashed: " << args << "\n" << r.output;
+    EXPECT_NE(r.output.find("--speculative mtp: " + model + "/config.json has no MTP layer"), std::string::npos)
+        << args << "\n" << r.output;
   }
 }
 

@@ -9,8 +9,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <future>
 #include <map>
+#include <random>
 #include <tuple>
 #include <thread>
 
@@ -427,7 +429,8 @@ TEST_F(EngineTest, CancelEndsEveryChoice) {
 // The CPU slots behind a test's own run(): everything else passes through.
 class CpuSlotsWrapper : public SequenceSlots {
  public:
-  CpuSlotsWrapper(const Model& m, int slots) : inner_(make_cpu_slots(m, slots, 1, {}, 4096)) {}
+  CpuSlotsWrapper(const Model& m, int slots, bool mtp_drafts = false)
+      : inner_(make_cpu_slots(m, slots, 1, {}, 4096, true, mtp_drafts)) {}
   int slots() const override { return inner_->slots(); }
   int64_t max_chunk() const override { return inner_->max_chunk(); }
   Opened open(int64_t positions, std::span<const int32_t> prompt) override { return inner_->open(positions, prompt); }
@@ -437,6 +440,8 @@ class CpuSlotsWrapper : public SequenceSlots {
   void run(std::span<const Job> jobs) override { inner_->run(jobs); }
   bool can_verify() const override { return inner_->can_verify(); }
   void rewind(int slot, int64_t position) override { inner_->rewind(slot, position); }
+  bool can_draft_mtp() const override { return inner_->can_draft_mtp(); }
+  std::vector<int32_t> draft_mtp(int slot, int32_t next, int k) override { return inner_->draft_mtp(slot, next, k); }
   int64_t kv_blocks_held() const override { return inner_->kv_blocks_held(); }
   std::string describe() const override { return "wrapped " + inner_->describe(); }
 
@@ -955,6 +960,144 @@ TEST_F(EngineTest, SpeculationPublishesTheRepliesBlocks) {
   EXPECT_EQ(b2, a2);
   EXPECT_EQ(a_cached, 64);  // 21 + 50 + 1 = 72 positions: 4 full blocks of the first request's
   EXPECT_EQ(b_cached, a_cached);
+}
+
+// Speculation with the MTP layer in the engine (DeepSeek-V3 and GLM-5): greedy requests give the
+// plain engine's tokens, several at once (prompts in chunks beside verifications, a request of
+// two choices), over outputs of several KV blocks, for at most 1, 2 and 4 drafts, with the
+// layer's drafts and with drafts that are partly right (OracleSlots); the counters count the
+// checks, and every block goes back.
+class MtpEngine : public ::testing::TestWithParam<std::string> {};
+
+// The CPU slots with MTP drafters, whose drafts are replaced by the plain greedy reply's next
+// tokens (by prompt), right for a random number of them (0 .. k) and wrong after: the fixtures'
+// random MTP layers draft nothing the target accepts, and this takes the engine through every
+// outcome of a check while the real drafters run beneath (their own drafts unused).
+class OracleSlots final : public CpuSlotsWrapper {
+ public:
+  OracleSlots(const Model& m, int slots, std::map<std::vector<int32_t>, std::vector<int32_t>> plain)
+      : CpuSlotsWrapper(m, slots, true), plain_(std::move(plain)), prompts_(size_t(slots)), held_(size_t(slots)),
+        vocab_(m.config.vocab_size) {}
+  Opened open(int64_t positions, std::span<const int32_t> prompt) override {
+    const Opened o = inner_->open(positions, prompt);
+    prompts_[size_t(o.slot)].assign(prompt.begin(), prompt.end());
+    held_[size_t(o.slot)].assign(prompt.begin(), prompt.begin() + o.cached);
+    return o;
+  }
+  void run(std::span<const Job> jobs) override {
+    inner_->run(jobs);
+    for (const Job& j : jobs) held_[size_t(j.slot)].insert(held_[size_t(j.slot)].end(), j.tokens.begin(), j.tokens.end());
+  }
+  void rewind(int slot, int64_t position) override {
+    inner_->rewind(slot, position);
+    held_[size_t(slot)].resize(size_t(position));
+  }
+  std::vector<int32_t> draft_mtp(int slot, int32_t next, int k) override {
+    EXPECT_EQ(inner_->draft_mtp(slot, next, k).size(), size_t(k));
+    const std::vector<int32_t>& out = plain_.at(prompts_[size_t(slot)]);
+    const size_t g = held_[size_t(slot)].size() + 1 - prompts_[size_t(slot)].size();  // tokens up to `next`
+    const int right = int(rng_() % uint32_t(k + 1));
+    std::vector<int32_t> d;
+    for (int i = 0; i < k; ++i) {
+      const int32_t want = out.at(g + size_t(i));
+      d.push_back(i < right ? want : int32_t((want + 1) % vocab_));
+    }
+    return d;
+  }
+
+ private:
+  std::map<std::vector<int32_t>, std::vector<int32_t>> plain_;  // prompt -> greedy reply
+  std::vector<std::vector<int32_t>> prompts_, held_;              // per slot: its prompt, its positions' tokens
+  int64_t vocab_;
+  std::mt19937 rng_{5};
+};
+
+TEST_P(MtpEngine, GivesThePlainGreedyTokens) {
+  auto model = load_model(test::fixture_dir(GetParam()));
+  EngineOptions o;
+  o.max_batch = 4;
+  o.context = 128;
+  o.prefill_chunk = 16;
+  o.threads = 1;
+  std::vector<GenerationRequest> reqs;
+  for (int i = 0; i < 4; ++i) reqs.push_back(request(repeating_prompt(14 + 9 * i, 30 + i), 30 + 11 * i));
+  reqs[1].n = 2;
+  std::vector<std::vector<Result>> plain;
+  {
+    Engine e(*model, o);
+    for (const auto& r : reqs) plain.push_back(drain_choices(*e.submit(r)));
+  }
+  std::map<std::vector<int32_t>, std::vector<int32_t>> replies;
+  for (size_t i = 0; i < reqs.size(); ++i) replies[reqs[i].prompt] = plain[i][0].tokens;
+  for (auto [draft, oracle] : {std::pair{1, false}, {2, false}, {4, false}, {2, true}, {4, true}}) {
+    SCOPED_TRACE("draft tokens " + std::to_string(draft) + (oracle ? ", the plain reply's drafts" : ""));
+    EngineOptions so = o;
+    so.speculation.method = "mtp";
+    so.speculation.draft_tokens = draft;
+    std::unique_ptr<CpuSlotsWrapper> slots = oracle ? std::make_unique<OracleSlots>(*model, o.max_batch, replies)
+                                                    : std::make_unique<CpuSlotsWrapper>(*model, o.max_batch, true);
+    CpuSlotsWrapper* backend = slots.get();
+    Engine e(*model, so, std::move(slots));
+    std::vector<std::shared_ptr<RequestStream>> streams;
+    for (const auto& r : reqs) streams.push_back(e.submit(r));
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      const std::vector<Result> got = drain_choices(*streams[i]);
+      ASSERT_EQ(got.size(), plain[i].size());
+      for (size_t c = 0; c < got.size(); ++c) {
+        EXPECT_EQ(got[c].tokens, plain[i][c].tokens) << "request " << i << ", choice " << c;
+        EXPECT_EQ(got[c].finish, Finish::Length) << got[c].error;
+      }
+    }
+    const EngineStats st = e.stats();
+    EXPECT_TRUE(st.speculating);
+    EXPECT_GT(st.speculation.verifications, 0);
+    EXPECT_LE(st.speculation.accepted, st.speculation.drafted);
+    if (oracle) EXPECT_GT(st.speculation.accepted, 0);
+    EXPECT_EQ(st.cached_tokens, 0) << "a prefix cache block has no hidden states for the MTP layer";
+    std::printf("  draft %d: %lld checks, %lld of %lld drafted tokens accepted\n", draft,
+                (long long)st.speculation.verifications, (long long)st.speculation.accepted,
+                (long long)st.speculation.drafted);
+    for (int i = 0; i < 100 && e.stats().running > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    EXPECT_EQ(backend->kv_blocks_held(), 0) << "a finished sequence kept KV blocks";
+  }
+  // Sampling with log-probabilities goes through the same checks (the distribution is
+  // Sampler::verify's, tested in test_speculative.cpp).
+  EngineOptions so = o;
+  so.speculation.method = "mtp";
+  so.speculation.draft_tokens = 3;
+  Engine e(*model, so);
+  GenerationRequest r = request(repeating_prompt(20, 30), 40, 0.9f, 7);
+  r.top_logprobs = 2;
+  const Result sampled = drain(*e.submit(r));
+  EXPECT_EQ(sampled.tokens.size(), 40u);
+  EXPECT_EQ(sampled.finish, Finish::Length) << sampled.error;
+  EXPECT_GT(e.stats().speculation.verifications, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, MtpEngine, ::testing::Values("deepseekv3-bf16", "glm5-bf16"), test::fixture_test_name);
+
+// The engine refuses MTP speculation on a model without an MTP layer and on slots that cannot
+// draft with one, naming the flag.
+TEST_F(EngineTest, MtpSpeculationRefusals) {
+  EngineOptions o;
+  o.max_batch = 1;
+  o.context = 64;
+  o.threads = 1;
+  o.speculation.method = "mtp";
+  auto message = [&](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const std::string none = message([&] { Engine e(*model_, o); });
+  EXPECT_NE(none.find("--speculative mtp: " + model_->config.source + " has no MTP layer"), std::string::npos) << none;
+  auto model = load_model(test::fixture_dir("deepseekv3-bf16"));
+  const std::string slots = message([&] { Engine e(*model, o, std::make_unique<CpuSlotsWrapper>(*model, 1)); });
+  EXPECT_NE(slots.find("--speculative mtp: wrapped cpu, 1 threads does not draft with the MTP layer"), std::string::npos)
+      << slots;
 }
 
 }  // namespace

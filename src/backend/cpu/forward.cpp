@@ -235,7 +235,8 @@ KvCache Forward::make_mtp_cache(int64_t capacity, size_t k) const {
   return KvCache(1, layout, capacity);
 }
 
-void Forward::run_mtp(std::span<const int32_t> next, const float* hidden, KvCache& cache, float* logits, size_t k) {
+void Forward::run_mtp(std::span<const int32_t> next, const float* hidden, KvCache& cache, float* logits, size_t k,
+                      float* out) {
   const MtpLayer& m = mtp_layer(k);
   const int64_t T = int64_t(next.size()), H = c_.hidden_size, start = cache.length();
   if (T == 0) return;
@@ -258,8 +259,14 @@ void Forward::run_mtp(std::span<const int32_t> next, const float* hidden, KvCach
   Selection selection;
   decoder_layer(m.layer, 0, x.data(), xn.data(), tmp.data(), T, start, cache, selection);
   cache.commit(T);
+  if (!logits && !out) return;
   rms_norm(x.data(), m.head_norm.data(), T, H, c_.rms_norm_eps, xn.data());
-  linear(m.head, xn.data(), T, logits, pool_, obs);
+  if (out) std::copy(xn.begin(), xn.end(), out);
+  if (logits) mtp_logits(xn.data(), T, logits, k);
+}
+
+void Forward::mtp_logits(const float* out, int64_t T, float* logits, size_t k) {
+  linear(mtp_layer(k).head, out, T, logits, pool_, observe_ ? &observe_ : nullptr);
 }
 
 }  // namespace kestrel::cpu

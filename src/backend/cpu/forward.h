@@ -43,8 +43,13 @@ class Forward {
   KvCache make_mtp_cache(int64_t capacity, size_t k = 0) const;
   // Runs the MTP layer at the positions after those already in `cache`: `hidden` [T, hidden] are
   // the main model's final normed hidden states at those positions, `next` [T] the token that
-  // follows each position. Writes the MTP logits ([T, vocab], predictions two tokens ahead).
-  void run_mtp(std::span<const int32_t> next, const float* hidden, KvCache& cache, float* logits, size_t k = 0);
+  // follows each position. Writes the MTP logits ([T, vocab], predictions two tokens ahead) to
+  // `logits` unless null, and the layer's output normed by shared_head.norm (what its head reads,
+  // [T, hidden]) to `out` unless null: the `hidden` of a draft chained after this one.
+  void run_mtp(std::span<const int32_t> next, const float* hidden, KvCache& cache, float* logits, size_t k = 0,
+               float* out = nullptr);
+  // The MTP head over `T` rows of run_mtp's `out`: logits [T, vocab].
+  void mtp_logits(const float* out, int64_t T, float* logits, size_t k = 0);
 
   // Shows every later run's linear inputs to `observe` (calibration); an empty function stops it.
   // Costs nothing while unset.
