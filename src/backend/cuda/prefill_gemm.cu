@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/check.h"
@@ -177,6 +178,8 @@ void GemmPrefill::gemms(const std::vector<Gemm>& g, cudaStream_t s) {
     if (st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE)
       fail("cuBLAS error in the grouped GEMM: ", cublasGetStatusString(st));
     grouped_ = false;  // this library does not take BF16 -> float32 groups: one call per GEMM
+    std::fprintf(stderr, "cuBLAS refused the grouped GEMM (%s): one call per expert from here\n",
+                 cublasGetStatusString(st));
   }
   for (const Gemm& x : g)
     KESTREL_CUBLAS_CHECK(cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, x.m, x.n, x.k, &x.alpha, x.a, CUDA_R_16BF, x.lda,

@@ -2,10 +2,10 @@
 #include <vector>
 
 #include "backend/cuda/check.h"
-#include "common/env.h"
 #include "backend/cuda/gpu_model.h"
 #include "backend/cuda/prefill_gemm.h"
 #include "backend/cuda/session.h"
+#include "common/env.h"
 
 namespace kestrel::cuda {
 
