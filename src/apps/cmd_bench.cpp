@@ -18,6 +18,7 @@
 #include "backend/cuda/device_model.h"
 #include "backend/cuda/graph_profile.h"
 #include "backend/cuda/op_timer.h"
+#include "backend/cuda/prefill_gemm.h"
 #include "backend/cuda/stages/stage_step.h"
 #include "backend/cuda/rank_group.h"
 #include "backend/cuda/read_chain.h"
@@ -46,6 +47,8 @@ struct Options {
   Layout layout;
   std::string prefill;  // prompt lengths to prefill, comma-separated; empty: none
   int chunk = cuda::Session::kDefaultChunk;
+  int gemm_chunk = cuda::Session::kDefaultGemmChunk;  // 0: the decode step's chunks only
+  double tflops = 790;  // dense BF16 the compute floor assumes (issue 31: what an H200 reaches)
   std::string kv_dtype = "auto";
   bool stages = false;      // also time the stage step (1 to 8 sequences)
   int speculative = 0;      // also time checks of 2 .. this + 1 tokens against one token's step
@@ -288,43 +291,102 @@ std::vector<int> parse_list(const std::string& s, const char* flag, int most) {
   return v;
 }
 
-// Prefill of one prompt per length through a Session (what generate and chat run): steps of
-// `chunk` positions, the last position's logits copied back, host time from the first copy to
-// the logits on the host (median of 3 after a warm-up run that captures the graphs). The floor
-// is the weights each chunk's tokens touch, read once per chunk; at these sizes the tensor-core
-// arithmetic (8 tokens per pass over a tile, two FP16 MMAs per product) is what it nears.
-nlohmann::json bench_prefill(const cuda::DeviceModel& dm, const std::vector<int>& lengths, int chunk, cuda::KvType kv,
-                             double bw) {
+// Weights one token multiplies, all layers: the attention projections (MLA: the latent ones;
+// without GLM-5's indexer), the router and the top-k and shared experts, or the dense MLP. Not
+// the embedding (a row read) nor the LM head (the last position only).
+double active_weights(const ModelConfig& c) {
+  const double H = double(c.hidden_size), nq = double(c.num_heads);
+  double attention = H * double(c.head_dim) * (2 * nq + 2 * double(c.num_kv_heads));
+  if (c.is_mla()) {
+    const MlaConfig& m = c.mla;
+    const double q = m.q_lora_rank > 0 ? H * double(m.q_lora_rank) + double(m.q_lora_rank) * nq * double(m.qk_head_dim())
+                                       : H * nq * double(m.qk_head_dim());
+    attention = q + H * double(m.kv_lora_rank + m.qk_rope_head_dim) +
+                double(m.kv_lora_rank) * nq * double(m.qk_nope_head_dim + m.v_head_dim) + nq * double(m.v_head_dim) * H;
+  }
+  double total = 0;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    total += attention;
+    if (c.is_moe_layer(l))
+      total += H * double(c.num_experts) +
+               3 * H * double(c.moe_intermediate_size) * double(c.experts_per_token + c.num_shared_experts);
+    else
+      total += 3 * H * double(c.intermediate_size);
+  }
+  return total;
+}
+
+// The arithmetic of a prompt of n tokens: 2 flops per active weight per token, causal attention
+// (scores and values: 4 x head_dim flops per query head and (query, key) pair; MLA: the latent
+// width) and the LM head for the last position.
+double prefill_flops(const ModelConfig& c, int64_t n) {
+  const double pairs = double(n) * double(n + 1) / 2;
+  const double width = c.is_mla() ? double(c.mla.kv_lora_rank + c.mla.qk_rope_head_dim) + double(c.mla.kv_lora_rank)
+                                  : 2 * double(c.head_dim);
+  const double attention = double(c.num_layers) * pairs * double(c.num_heads) * 2 * width;
+  return 2 * active_weights(c) * double(n) + attention + 2 * double(c.vocab_size) * double(c.hidden_size);
+}
+
+// Prefill of one prompt per length through a Session (what generate and chat run), host time
+// from the first copy to the last position's logits on the host (median of 3 after a warm-up
+// run that captures the graphs), by both paths: the decode step's chunks of `chunk` positions
+// and the GEMM prefill's chunks of `gemm_chunk` (prefill_gemm.h; 0 or a model it does not take:
+// not run). Two floors: the weights each chunk's tokens touch, read once per chunk (what the
+// decode step's chunks near), and the arithmetic at `tflops` of dense BF16 (what the GEMMs near).
+nlohmann::json bench_prefill(const cuda::DeviceModel& dm, const std::vector<int>& lengths, int chunk, int gemm_chunk,
+                             cuda::KvType kv, double bw, double tflops) {
   const ModelConfig& c = dm.config();
   nlohmann::json out = nlohmann::json::array();
-  std::printf("prefill (one sequence, %d positions per step, last position's logits)\n", chunk);
-  std::printf("%8s %11s %9s %12s %14s %8s\n", "tokens", "ms", "tok/s", "ms per step", "weights floor", "x floor");
+  const std::string why = cuda::GemmPrefill::unsupported(dm);
+  if (gemm_chunk > 0 && !why.empty()) std::printf("(the GEMM prefill does not take %s: not run)\n", why.c_str());
+  const bool gemm = gemm_chunk > 0 && why.empty();
+  std::printf("prefill (one sequence, last position's logits): decode step in chunks of %d", chunk);
+  if (gemm) std::printf(", GEMM prefill in chunks of %d", gemm_chunk);
+  std::printf("; compute floor at %.0f TFLOP/s\n", tflops);
+  std::printf("%8s %6s %11s %9s %12s %14s %8s %14s %9s\n", "tokens", "path", "ms", "tok/s", "ms per step",
+              "weights floor", "x floor", "compute floor", "x compute");
   std::vector<float> logits(size_t(c.vocab_size));
+  const double kvb = double(cuda::kv_type_bytes(kv));
   for (int n : lengths) {
-    cuda::Session session(dm, n, chunk, kv);
     std::vector<int32_t> tok(static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) tok[size_t(i)] = int32_t((int64_t(i) * 7919 + 13) % c.vocab_size);
-    std::vector<double> ms;
-    for (int round = 0; round < 4; ++round) {
-      session.reset();
-      const auto t0 = std::chrono::steady_clock::now();
-      session.run(tok, logits.data(), false);
-      const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-      if (round > 0) ms.push_back(t);
+    const double compute_ms = prefill_flops(c, n) / (tflops * 1e12) * 1e3;
+    double decode_tps = 0;
+    for (const int path_chunk : {0, gemm ? gemm_chunk : -1}) {
+      if (path_chunk < 0) continue;
+      const bool g = path_chunk > 0;
+      if (g && n < cuda::Session::kGemmMinTokens) {
+        std::printf("%8d %6s (shorter than the %d tokens the GEMM prefill takes)\n", n, "gemm",
+                    cuda::Session::kGemmMinTokens);
+        continue;
+      }
+      cuda::Session session(dm, n, chunk, kv, path_chunk);
+      std::vector<double> ms;
+      for (int round = 0; round < 4; ++round) {
+        session.reset();
+        const auto t0 = std::chrono::steady_clock::now();
+        session.run(tok, logits.data(), false);
+        const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        if (round > 0) ms.push_back(t);
+      }
+      std::sort(ms.begin(), ms.end());
+      const double med = ms[ms.size() / 2];
+      const int step = g ? path_chunk : chunk, steps = (n + step - 1) / step;
+      double floor_ms = 0;
+      for (int i = 0; i < steps; ++i) {
+        const DecodeCost cost = decode_cost(c, std::min(step, n - i * step), 1, kvb);
+        floor_ms += (cost.total() - cost.kv_cache - cost.lm_head) / bw * 1e3;
+      }
+      floor_ms += decode_cost(c, 1, 1, kvb).lm_head / bw * 1e3;  // the LM head runs for the last row only
+      const double tps = n * 1e3 / med;
+      std::printf("%8d %6s %11.2f %9.0f %12.3f %14.3f %8.2f %14.3f %9.2f", n, g ? "gemm" : "decode", med, tps,
+                  med / steps, floor_ms, med / floor_ms, compute_ms, med / compute_ms);
+      if (g && decode_tps > 0) std::printf("  (%.2fx the decode step's)", tps / decode_tps);
+      std::printf("\n");
+      if (!g) decode_tps = tps;
+      out.push_back({{"tokens", n}, {"path", g ? "gemm" : "decode"}, {"chunk", step}, {"ms", med},
+                     {"tokens_per_s", tps}, {"weights_floor_ms", floor_ms}, {"compute_floor_ms", compute_ms}});
     }
-    std::sort(ms.begin(), ms.end());
-    const double med = ms[ms.size() / 2];
-    const int steps = (n + chunk - 1) / chunk;
-    double floor_ms = 0;
-    const double kvb = double(cuda::kv_type_bytes(kv));
-    for (int i = 0; i < steps; ++i) {
-      const DecodeCost cost = decode_cost(c, std::min(chunk, n - i * chunk), 1, kvb);
-      floor_ms += (cost.total() - cost.kv_cache - cost.lm_head) / bw * 1e3;
-    }
-    floor_ms += decode_cost(c, 1, 1, kvb).lm_head / bw * 1e3;  // the LM head runs for the last row only
-    std::printf("%8d %11.2f %9.0f %12.3f %14.3f %8.2f\n", n, med, n * 1e3 / med, med / steps, floor_ms, med / floor_ms);
-    out.push_back({{"tokens", n}, {"chunk", chunk}, {"ms", med}, {"tokens_per_s", n * 1e3 / med},
-                   {"weights_floor_ms", floor_ms}});
   }
   return out;
 }
@@ -382,7 +444,10 @@ void add_common(CLI::App& app, Options* o) {
   app.add_option("--plot", o->plot, "With the per-op times: an SVG of each op against its floor (first batch size)");
   add_layout_options(app, o->layout);
   app.add_option("--prefill", o->prefill, "Also time the prefill of one prompt of each of these lengths (e.g. 512,4096)");
-  app.add_option("--chunk", o->chunk, "Positions per prefill step (default 64)");
+  app.add_option("--chunk", o->chunk, "Positions per prefill step of the decode step's path (default 64)");
+  app.add_option("--gemm-chunk", o->gemm_chunk,
+                 "Positions per chunk of the GEMM prefill, timed beside the decode step's (default 4096; 0: not run)");
+  app.add_option("--bf16-tflops", o->tflops, "Dense BF16 TFLOP/s of the prefill's compute floor (default 790)");
   app.add_option("--speculative", o->speculative,
                  "Also time a speculative check of 2 .. K + 1 tokens at the context against one token's step "
                  "(K 1..16)");
@@ -569,6 +634,8 @@ int run_bench(const Options* o) {
     if (o->speculative && o->context < 1) fail("--speculative: needs a --context of at least 1 position");
     check_kv_dtype_option(o->kv_dtype);
     if (o->chunk < 1 || o->chunk > 256) fail("--chunk: ", o->chunk, " is outside 1..256");
+    if (o->gemm_chunk < 0 || o->gemm_chunk > (1 << 16)) fail("--gemm-chunk: ", o->gemm_chunk, " is outside 0..65536");
+    if (!(o->tflops > 0)) fail("--bf16-tflops: expected a positive rate, got ", o->tflops);
     if (o->context < 0 || o->context > (1 << 24)) fail("--context: ", o->context, " is outside 0..", 1 << 24);
     if (o->capacity < 0 || o->capacity > (1 << 24)) fail("--capacity: ", o->capacity, " is outside 0..", 1 << 24);
     if (o->layout.split()) {
@@ -672,7 +739,7 @@ int run_bench(const Options* o) {
     nlohmann::json pre = nlohmann::json::array();
     if (!prefill.empty()) {
       KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
-      pre = bench_prefill(*dm, prefill, o->chunk, dec.kv_type(), bw);
+      pre = bench_prefill(*dm, prefill, o->chunk, o->gemm_chunk, dec.kv_type(), bw, o->tflops);
     }
     nlohmann::json spec = nlohmann::json::array();
     if (o->speculative > 0) {

@@ -3,7 +3,9 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/gpu_model.h"
+#include "backend/cuda/prefill_gemm.h"
 #include "backend/cuda/session.h"
+#include "common/env.h"
 
 namespace kestrel::cuda {
 
@@ -12,10 +14,26 @@ int checked_chunk(int chunk) {
   if (chunk < 1 || chunk > 256) fail("prefill chunk ", chunk, " outside 1..256");
   return chunk;
 }
+int checked_gemm_chunk(int chunk) {
+  if (chunk < 0 || chunk > (1 << 16)) fail("GEMM prefill chunk ", chunk, " outside 0..65536");
+  return chunk;
+}
 }  // namespace
 
-Session::Session(const DeviceModel& model, int max_context, int chunk, KvType kv)
+int Session::default_gemm_chunk() {
+  static const int chunk = [] {
+    const int v = env_int("KESTREL_PREFILL_GEMM", 0);
+    return v <= 0 ? 0 : v == 1 ? kDefaultGemmChunk : checked_gemm_chunk(v);
+  }();
+  return chunk;
+}
+
+Session::Session(const DeviceModel& model, int max_context, int chunk, KvType kv, int gemm_chunk)
     : chunk_(checked_chunk(chunk)), vocab_(model.config().vocab_size) {
+  if (checked_gemm_chunk(gemm_chunk) > 0 && GemmPrefill::unsupported(model).empty()) {
+    gemm_model_ = &model;
+    gemm_chunk_ = std::min(gemm_chunk, max_context);
+  }
   KvSource own;
   own.type = kv;
   decs_.push_back(std::make_unique<Decoder>(model, chunk_, max_context, true, nullptr, own));
@@ -23,8 +41,13 @@ Session::Session(const DeviceModel& model, int max_context, int chunk, KvType kv
   streams_.push_back(own_stream_);
 }
 
-Session::Session(const GpuModel& model, int max_context, int chunk, KvType kv)
+Session::Session(const GpuModel& model, int max_context, int chunk, KvType kv, int gemm_chunk)
     : gpus_(&model), chunk_(checked_chunk(chunk)), vocab_(model.part(0).config().vocab_size) {
+  if (checked_gemm_chunk(gemm_chunk) > 0 && model.ranks() == 1 && !model.link(0) &&
+      GemmPrefill::unsupported(model.part(0)).empty()) {
+    gemm_model_ = &model.part(0);
+    gemm_chunk_ = std::min(gemm_chunk, max_context);
+  }
   decs_.resize(size_t(model.ranks()));
   for (int r = 0; r < model.ranks(); ++r) streams_.push_back(model.stream(r));
   KvSource own;
@@ -35,6 +58,7 @@ Session::Session(const GpuModel& model, int max_context, int chunk, KvType kv)
 }
 
 Session::~Session() {
+  gemm_.reset();
   if (gpus_) {
     try {
       gpus_->each_rank([&](int r) { decs_[size_t(r)].reset(); });  // each on its own GPU
@@ -66,12 +90,38 @@ int32_t Session::run_sample(std::span<const int32_t> tokens, const SampleParams&
   return token;
 }
 
+size_t Session::gemm_tokens(size_t tokens, bool all, bool sample) const {
+  // Every position's logits (logits --all, perplexity) stay on the decode step, which has them.
+  if (!gemm_model_ || all || tokens < size_t(kGemmMinTokens)) return 0;
+  // A drawn token's row runs through the decode step, which samples it.
+  return sample ? tokens - 1 : tokens;
+}
+
 void Session::run_rank(int rank, std::span<const int32_t> tokens, float* logits, bool all, const SampleParams* sample,
                        int32_t* token) {
   Decoder& dec = *decs_[size_t(rank)];
   const cudaStream_t stream = streams_[size_t(rank)];
   if (rank > 0) logits = nullptr, sample = nullptr;  // rank 0 hands out the results
   int pos = pos_;
+  // The GEMM prefill's chunks first (one rank only), then the rest on the decode step's.
+  const size_t gemm = gemm_tokens(tokens.size(), all, sample != nullptr);
+  if (gemm > 0) {
+    if (!gemm_) gemm_ = std::make_unique<GemmPrefill>(*gemm_model_, dec, gemm_chunk_);
+    for (size_t i = 0; i < gemm; i += size_t(gemm_chunk_)) {
+      const int n = int(std::min<size_t>(size_t(gemm_chunk_), gemm - i));
+      const bool last = i + size_t(n) == tokens.size();
+      gemm_->run(tokens.data() + i, n, pos, stream, last && logits);
+      pos += n;
+      if (last && logits)
+        KESTREL_CUDA_CHECK(
+            cudaMemcpyAsync(logits, gemm_->logits(), size_t(vocab_) * 4, cudaMemcpyDeviceToHost, stream));
+    }
+    tokens = tokens.subspan(gemm);
+    if (tokens.empty()) {
+      KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream));
+      return;
+    }
+  }
   // Every rank runs the same steps (their collectives pair up), so the rows that get logits
   // follow `all`, not whether this rank copies them out.
   const Decoder::Logits rows = all ? Decoder::Logits::All : Decoder::Logits::Last;
