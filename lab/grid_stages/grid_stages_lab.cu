@@ -28,6 +28,10 @@
 //              grid barriers (a named barrier of 480 threads inside the block) and read the pages.
 //   ringstream the ring without the grid barriers (what the bulk copies alone stream at)
 //   ringbig    the ring in 6 pages of 32 KB
+//   tworings   two rings, one for the fixed weights (5 pages) and one for the routed experts' (8):
+//              the producer never waits on one while the other has room, so the next layers'
+//              fixed weights stream while a route is pending, and the experts' the moment it is
+//              known (the ring's in-order copying is what held `ring` back, v37). Not yet run.
 // Usage: grid_stages_lab [threads] [steps]     (512 threads per block, one block per SM; 20 steps)
 //
 // Measured (H100 80 GB HBM3, copy bandwidth 3.01 TB/s, floor 0.756 ms, 2026-12-07; docs/PERF.md
@@ -35,7 +39,9 @@
 // TB/s, 1.16x the floor); read after each barrier 1.558 ms (2.06x); l2 1.655 ms; smem 2.220 ms.
 // A first version whose small shares went one load at a time per thread: 1.131 / 1.804 / 1.826 /
 // 2.495 ms. On an H200 (4.28 TB/s, floor 0.532 ms, v37): barriers 0.398 ms (1.18 us each), stream
-// 0.646, read 1.274 (2.39x), l2 1.400, smem 1.804, regs 1.247, ring 1.215 (2.28x).
+// 0.646, read 1.274 (2.39x), l2 1.400, smem 1.804, regs 1.247, ring 1.215 (2.28x). On an H100
+// (3.04 TB/s, floor 0.748 ms): barriers 0.507, stream 0.813, read 1.498, regs 1.480, ring 1.577,
+// ringstream 0.786 (1.05x), ringbig 1.508.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -57,7 +63,7 @@
 constexpr int kLayers = 48, kStages = 7, kPool = 16, kTopK = 8;
 constexpr uint32_t kSlotBytes = 110 * 1024;  // two slots of shared memory
 enum Kind { kFixed, kGateUp, kDown, kNone };
-enum Mode { kBarriers, kStream, kRead, kL2, kSmem, kRegs, kRing, kRingStream, kRingBig };
+enum Mode { kBarriers, kStream, kRead, kL2, kSmem, kRegs, kRing, kRingStream, kRingBig, kTwoRings };
 
 struct Stage {
   const uint8_t* base;  // layer l's bytes at base + l * layer_stride
@@ -369,6 +375,136 @@ __global__ void ring_kernel(const Lab L) {
   if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) atomicAdd(L.sink, 1ull);
 }
 
+// ---- two rings: fixed weights and routed experts' apart (see the header) ----
+constexpr int kFixedPages = 5, kRoutedPages = 8;
+
+__device__ __forceinline__ bool routed_kind(int kind) { return kind == kGateUp || kind == kDown; }
+
+// The next stage after g whose chunks go to this ring (the fixed ring ends with the LM head, G);
+// -1 when none is left.
+__device__ int next_stage(const Lab& L, int g, bool routed) {
+  const int G = kLayers * kStages;
+  for (int h = g + 1; h < G; ++h) {
+    const int kind = L.st[h % kStages].kind;
+    if (kind != kNone && routed_kind(kind) == routed) return h;
+  }
+  return !routed && g < G ? G : -1;
+}
+
+// Where the producer is in one ring's sequence of chunks.
+struct Cursor {
+  int g = -1, n = 0, k = 0;  // stage, its pieces, the piece
+  uint32_t at = 0;           // offset in the piece
+  bool loaded = false;
+  Piece ps[2];
+};
+
+__device__ void load_stage(const Lab& L, const int* route, Cursor& c) {
+  if (c.g < kLayers * kStages) {
+    c.n = pieces(L, c.g % kStages, c.g / kStages, route, c.ps);
+  } else {
+    size_t lo, hi;
+    share(L.head_bytes, lo, hi);
+    c.n = 0;
+    if (lo < hi) c.ps[0] = {L.head + lo, uint32_t(hi - lo)}, c.n = 1;
+  }
+  c.k = 0, c.at = 0, c.loaded = true;
+}
+
+// Moves past stages without chunks; false when the ring's sequence is done or (routed) its next
+// stage's route is not known yet.
+__device__ bool ready_chunk(const Lab& L, const int* route, Cursor& c, bool routed, int known) {
+  while (c.g >= 0) {
+    if (!c.loaded) {
+      if (routed && known < (L.st[c.g % kStages].kind == kDown ? c.g - 1 : c.g)) return false;
+      load_stage(L, route, c);
+    }
+    while (c.k < c.n && c.at >= c.ps[c.k].n) ++c.k, c.at = 0;
+    if (c.k < c.n) return true;
+    c.g = next_stage(L, c.g, routed), c.loaded = false;
+  }
+  return false;
+}
+
+__device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(ok)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+
+__global__ void two_rings_kernel(const Lab L) {
+  constexpr int kAll = kFixedPages + kRoutedPages;
+  __shared__ uint64_t full[kAll], empty[kAll];  // fixed ring's pages first
+  __shared__ volatile int routed;
+  const int* route = L.route + size_t(L.step) * kLayers * kTopK;
+  const unsigned blocks = gridDim.x;
+  unsigned passed = unsigned(L.step) * (kLayers * kStages);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kAll; ++i) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[i])) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&empty[i])), "r"(kConsumerWarps) : "memory");
+    }
+    routed = -1;
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
+  const int G = kLayers * kStages;
+  if (warp == kConsumerWarps) {  // the producer: whichever ring has room and a chunk, routed first
+    if (lane != 0) return;
+    Cursor c[2];
+    int issued[2] = {0, 0};
+    c[0].g = next_stage(L, -1, false), c[1].g = next_stage(L, -1, true);
+    while (c[0].g >= 0 || c[1].g >= 0) {
+      bool any = false;
+      for (int r = 1; r >= 0; --r) {
+        const int pages = r ? kRoutedPages : kFixedPages, base = r ? kFixedPages : 0;
+        if (!ready_chunk(L, route, c[r], r == 1, routed)) continue;
+        const int page = issued[r] % pages, round = issued[r] / pages;
+        if (round > 0 && !mbar_test(&empty[base + page], uint32_t(round - 1) & 1)) continue;
+        const uint32_t n = min(kPageBytes, c[r].ps[c[r].k].n - c[r].at);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&full[base + page])),
+                     "r"(n)
+                     : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                         smem_addr(smem + size_t(base + page) * kPageBytes)),
+                     "l"(c[r].ps[c[r].k].p + c[r].at), "r"(n), "r"(smem_addr(&full[base + page]))
+                     : "memory");
+        c[r].at += n, ++issued[r], any = true;
+      }
+      if (!any) __nanosleep(32);
+    }
+    return;
+  }
+  uint4 acc = make_uint4(0, 0, 0, 0);
+  int taken[2] = {0, 0};
+  for (int g = 0; g <= G; ++g) {
+    if (g > 0) consumer_barrier(L.counter, (passed += 1) * blocks);
+    const int kind = g < G ? L.st[g % kStages].kind : kFixed;
+    if (kind == kGateUp && threadIdx.x == 0) routed = g;
+    const int r = routed_kind(kind) ? 1 : 0;
+    const int pages = r ? kRoutedPages : kFixedPages, base = r ? kFixedPages : 0;
+    for_chunks(L, route, g, [&](const uint8_t*, uint32_t n) {
+      const int page = taken[r] % pages, round = taken[r] / pages;
+      mbar_wait(&full[base + page], uint32_t(round) & 1);
+      const uint4* q = reinterpret_cast<const uint4*>(smem + size_t(base + page) * kPageBytes);
+      for (uint32_t u = threadIdx.x; u < n / 16; u += kConsumerWarps * 32) {
+        const uint4 v = q[u];
+        acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
+      }
+      __syncwarp();
+      if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(&empty[base + page])) : "memory");
+      ++taken[r];
+    });
+  }
+  if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) atomicAdd(L.sink, 1ull);
+}
+
 int main(int argc, char** argv) {
   const int threads = argc > 1 ? std::atoi(argv[1]) : 512;
   const int steps = argc > 2 ? std::atoi(argv[2]) : 20;
@@ -438,8 +574,10 @@ int main(int argc, char** argv) {
               qkv / MB, kv / MB, o / MB, router / MB, gate_up * kTopK / MB, down * kTopK / MB, kLayers * kStages);
   CHECK(cudaFuncSetAttribute(stages_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(2 * kSlotBytes)));
   CHECK(cudaFuncSetAttribute(ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kPages * kPageBytes)));
-  const char* names[] = {"barriers", "stream", "read", "l2", "smem", "regs", "ring", "ringstream", "ringbig"};
-  for (int mode : {kBarriers, kStream, kRead, kL2, kSmem, kRegs, kRing, kRingStream, kRingBig}) {
+  CHECK(cudaFuncSetAttribute(two_rings_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int((kFixedPages + kRoutedPages) * kPageBytes)));
+  const char* names[] = {"barriers", "stream", "read", "l2", "smem", "regs", "ring", "ringstream", "ringbig", "tworings"};
+  for (int mode : {kBarriers, kStream, kRead, kL2, kSmem, kRegs, kRing, kRingStream, kRingBig, kTwoRings}) {
     CHECK(cudaMemset(L.counter, 0, 4));
     std::vector<float> t;
     for (int step = 0; step < steps + 3; ++step) {
@@ -447,7 +585,10 @@ int main(int argc, char** argv) {
       void* args[] = {&L};
       CHECK(cudaEventRecord(e0));
       L.pages = mode == kRingBig ? 6 : kPages, L.page_bytes = mode == kRingBig ? 2 * kPageBytes : kPageBytes;
-      if (mode >= kRing)  // 16 warps: 15 consumers and the producer
+      if (mode == kTwoRings)
+        CHECK(cudaLaunchCooperativeKernel(two_rings_kernel, dim3(sms), dim3((kConsumerWarps + 1) * 32), args,
+                                          (kFixedPages + kRoutedPages) * kPageBytes, 0));
+      else if (mode >= kRing)  // 16 warps: 15 consumers and the producer
         CHECK(cudaLaunchCooperativeKernel(ring_kernel, dim3(sms), dim3((kConsumerWarps + 1) * 32), args, kPages * kPageBytes, 0));
       else
         CHECK(cudaLaunchCooperativeKernel(stages_kernel, dim3(sms), dim3(threads), args, 2 * kSlotBytes, 0));
