@@ -2,6 +2,7 @@
 skipped, when the model is absent), `kestrel serve` started on a free port and stopped with
 SIGTERM, checks printed one per line with a summary at the end, and JSON replies validated
 against their schemas. Standard library only (`jsonschema` where it is installed)."""
+import atexit
 import json
 import os
 import re
@@ -43,6 +44,7 @@ def start_server(binary, model, *args):
     drained (echoed) so that the server never blocks on it."""
     p = subprocess.Popen([binary, "serve", "--model", model, "--port", "0", "--served-model-name", NAME, *args],
                          stderr=subprocess.PIPE, text=True)
+    atexit.register(_kill_if_running, p)  # a script that dies before stop_server leaves no server
     for line in p.stderr:
         m = re.search(r"on http://[\d.]+:(\d+)", line)
         if m:
@@ -50,6 +52,12 @@ def start_server(binary, model, *args):
             return p, int(m.group(1))
     p.wait(timeout=30)
     raise RuntimeError(f"the server did not start (exit status {p.returncode})")
+
+
+def _kill_if_running(p):
+    if p.poll() is None:
+        p.kill()
+        p.wait()
 
 
 def stop_server(p, timeout=20):
