@@ -293,28 +293,57 @@ __device__ __forceinline__ void consumer_barrier(unsigned* c, unsigned target) {
   asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32) : "memory");
 }
 
+// The block's pieces of stage g (g == kLayers * kStages: its share of the LM head).
+__device__ int stage_pieces(const Lab& L, const int* route, int g, Piece out[2]) {
+  if (g < kLayers * kStages) return pieces(L, g % kStages, g / kStages, route, out);
+  size_t lo, hi;
+  share(L.head_bytes, lo, hi);
+  if (lo >= hi) return 0;
+  out[0] = {L.head + lo, uint32_t(hi - lo)};
+  return 1;
+}
+
 // Calls f(p, n) for the block's chunks of stage g (g == kLayers * kStages: the LM head), in the
 // order the producer copies them and the consumers read them.
 template <class F>
 __device__ __forceinline__ void for_chunks(const Lab& L, const int* route, int g, F&& f) {
   Piece ps[2];
-  int n = 0;
-  if (g < kLayers * kStages) {
-    n = pieces(L, g % kStages, g / kStages, route, ps);
-  } else {
-    size_t lo, hi;
-    share(L.head_bytes, lo, hi);
-    if (lo < hi) ps[0] = {L.head + lo, uint32_t(hi - lo)}, n = 1;
-  }
+  const int n = stage_pieces(L, route, g, ps);
   for (int k = 0; k < n; ++k)
     for (uint32_t at = 0; at < ps[k].n; at += L.page_bytes) f(ps[k].p + at, min(L.page_bytes, ps[k].n - at));
 }
 
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
+// A ring's pages: full (the producer's copy landed, count 1 + bytes) and empty (each consumer
+// warp is done with it); thread 0 initializes them.
+__device__ void init_pages(uint64_t* full, uint64_t* empty, int n) {
+  for (int i = 0; i < n; ++i) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[i])) : "memory");
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&empty[i])), "r"(kConsumerWarps) : "memory");
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// The producer: n bytes from src into a page, landing on its full barrier.
+__device__ __forceinline__ void copy_page(uint8_t* page, const uint8_t* src, uint32_t n, uint64_t* full) {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the page was last read by plain loads
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(full)), "r"(n) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(page)),
+               "l"(src), "r"(n), "r"(smem_addr(full))
+               : "memory");
+}
+
+// A consumer: waits for the page's copy, reads its n bytes into acc, and gives the page back.
+__device__ __forceinline__ void read_page(const uint8_t* page, uint32_t n, uint64_t* full, uint32_t parity,
+                                          uint64_t* empty, uint4& acc) {
+  wait_slot(full, parity);
+  const uint4* q = reinterpret_cast<const uint4*>(page);
+  for (uint32_t u = threadIdx.x; u < n / 16; u += kConsumerWarps * 32) {
+    const uint4 v = q[u];
+    acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
+  }
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(empty)) : "memory");
 }
 
 __global__ void ring_kernel(const Lab L) {
@@ -323,14 +352,7 @@ __global__ void ring_kernel(const Lab L) {
   const int* route = L.route + size_t(L.step) * kLayers * kTopK;
   const unsigned blocks = gridDim.x;
   unsigned passed = unsigned(L.step) * (kLayers * kStages);
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kPages; ++i) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[i])) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&empty[i])), "r"(kConsumerWarps) : "memory");
-    }
-    routed = -1;
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (threadIdx.x == 0) init_pages(full, empty, kPages), routed = -1;
   __syncthreads();
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
   const int G = kLayers * kStages;
@@ -342,13 +364,8 @@ __global__ void ring_kernel(const Lab L) {
         while (routed < g) __nanosleep(64);  // the route comes after gate/up's barrier
       for_chunks(L, route, g, [&](const uint8_t* p, uint32_t n) {
         const int page = i % L.pages, round = i / L.pages;
-        if (round > 0) mbar_wait(&empty[page], uint32_t(round - 1) & 1);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&full[page])), "r"(n) : "memory");
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                         smem_addr(smem + size_t(page) * L.page_bytes)),
-                     "l"(p), "r"(n), "r"(smem_addr(&full[page]))
-                     : "memory");
+        if (round > 0) wait_slot(&empty[page], uint32_t(round - 1) & 1);
+        copy_page(smem + size_t(page) * L.page_bytes, p, n, &full[page]);
         ++i;
       });
     }
@@ -360,15 +377,8 @@ __global__ void ring_kernel(const Lab L) {
     if (g > 0 && L.mode != kRingStream) consumer_barrier(L.counter, (passed += 1) * blocks);
     if (g < G && L.st[g % kStages].kind == kGateUp && threadIdx.x == 0) routed = g;
     for_chunks(L, route, g, [&](const uint8_t*, uint32_t n) {
-      const int page = i % L.pages, round = i / L.pages;
-      mbar_wait(&full[page], uint32_t(round) & 1);
-      const uint4* q = reinterpret_cast<const uint4*>(smem + size_t(page) * L.page_bytes);
-      for (uint32_t u = threadIdx.x; u < n / 16; u += kConsumerWarps * 32) {
-        const uint4 v = q[u];
-        acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
-      }
-      __syncwarp();
-      if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(&empty[page])) : "memory");
+      const int page = i % L.pages;
+      read_page(smem + size_t(page) * L.page_bytes, n, &full[page], uint32_t(i / L.pages) & 1, &empty[page], acc);
       ++i;
     });
   }
@@ -400,14 +410,7 @@ struct Cursor {
 };
 
 __device__ void load_stage(const Lab& L, const int* route, Cursor& c) {
-  if (c.g < kLayers * kStages) {
-    c.n = pieces(L, c.g % kStages, c.g / kStages, route, c.ps);
-  } else {
-    size_t lo, hi;
-    share(L.head_bytes, lo, hi);
-    c.n = 0;
-    if (lo < hi) c.ps[0] = {L.head + lo, uint32_t(hi - lo)}, c.n = 1;
-  }
+  c.n = stage_pieces(L, route, c.g, c.ps);
   c.k = 0, c.at = 0, c.loaded = true;
 }
 
@@ -443,14 +446,7 @@ __global__ void two_rings_kernel(const Lab L) {
   const int* route = L.route + size_t(L.step) * kLayers * kTopK;
   const unsigned blocks = gridDim.x;
   unsigned passed = unsigned(L.step) * (kLayers * kStages);
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kAll; ++i) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[i])) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&empty[i])), "r"(kConsumerWarps) : "memory");
-    }
-    routed = -1;
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (threadIdx.x == 0) init_pages(full, empty, kAll), routed = -1;
   __syncthreads();
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
   const int G = kLayers * kStages;
@@ -467,14 +463,7 @@ __global__ void two_rings_kernel(const Lab L) {
         const int page = issued[r] % pages, round = issued[r] / pages;
         if (round > 0 && !mbar_test(&empty[base + page], uint32_t(round - 1) & 1)) continue;
         const uint32_t n = min(kPageBytes, c[r].ps[c[r].k].n - c[r].at);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&full[base + page])),
-                     "r"(n)
-                     : "memory");
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                         smem_addr(smem + size_t(base + page) * kPageBytes)),
-                     "l"(c[r].ps[c[r].k].p + c[r].at), "r"(n), "r"(smem_addr(&full[base + page]))
-                     : "memory");
+        copy_page(smem + size_t(base + page) * kPageBytes, c[r].ps[c[r].k].p + c[r].at, n, &full[base + page]);
         c[r].at += n, ++issued[r], any = true;
       }
       if (!any) __nanosleep(32);
@@ -490,15 +479,8 @@ __global__ void two_rings_kernel(const Lab L) {
     const int r = routed_kind(kind) ? 1 : 0;
     const int pages = r ? kRoutedPages : kFixedPages, base = r ? kFixedPages : 0;
     for_chunks(L, route, g, [&](const uint8_t*, uint32_t n) {
-      const int page = taken[r] % pages, round = taken[r] / pages;
-      mbar_wait(&full[base + page], uint32_t(round) & 1);
-      const uint4* q = reinterpret_cast<const uint4*>(smem + size_t(base + page) * kPageBytes);
-      for (uint32_t u = threadIdx.x; u < n / 16; u += kConsumerWarps * 32) {
-        const uint4 v = q[u];
-        acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
-      }
-      __syncwarp();
-      if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(&empty[base + page])) : "memory");
+      const int page = base + taken[r] % pages;
+      read_page(smem + size_t(page) * kPageBytes, n, &full[page], uint32_t(taken[r] / pages) & 1, &empty[page], acc);
       ++taken[r];
     });
   }

@@ -178,32 +178,35 @@ text::Tokenizer byte_tokenizer() {
   return text::Tokenizer::from_json_text(j.dump(), "bytes");
 }
 
+// A reply of 70 tokens to `prompt` (greedy, past several blocks of 16 positions) with this
+// speculation (the runner drafting with the MTP layer for "mtp"), checked to leave in the cache
+// what it says it ran, the prompt then the kept tokens: (the reply's tokens, the reply).
+std::pair<std::vector<int32_t>, apps::Reply> greedy_reply(const Model& model, const std::vector<int32_t>& prompt,
+                                                          const std::string& method, int draft) {
+  auto runner = apps::Runner::make(model, "cpu", 128, 2, {}, "auto", method == "mtp");
+  apps::ReplyOptions o;
+  o.max_tokens = 70;
+  o.speculation.method = method;
+  o.speculation.draft_tokens = draft;
+  std::vector<int32_t> history = prompt;
+  const apps::Reply r =
+      apps::reply(*runner, byte_tokenizer(), {}, prompt, history, prompt.size(), o, [](const std::string&) {});
+  EXPECT_EQ(runner->position(), int64_t(r.ran.size())) << method;
+  EXPECT_TRUE(std::equal(r.ran.begin(), r.ran.end(), history.begin())) << method;
+  return {std::vector<int32_t>(history.begin() + long(prompt.size()), history.end()), r};
+}
+
 class SpeculativeReply : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(SpeculativeReply, SameTokensAndCacheAsWithout) {
   auto model = load_model(test::fixture_dir(GetParam()));
-  const text::Tokenizer tok = byte_tokenizer();
   // A prompt that repeats itself, so that drafts are proposed from the start.
   std::vector<int32_t> prompt;
   for (int i = 0; i < 24; ++i) prompt.push_back(int32_t(40 + (i * 7) % 5));
-  apps::ReplyOptions base;
-  base.max_tokens = 70;  // past several blocks of 16 positions
-  auto run = [&](const std::string& method, int draft) {
-    auto runner = apps::Runner::make(*model, "cpu", 128, 2);
-    apps::ReplyOptions o = base;
-    o.speculation.method = method;
-    o.speculation.draft_tokens = draft;
-    std::vector<int32_t> history = prompt;
-    const apps::Reply r = apps::reply(*runner, tok, {}, prompt, history, prompt.size(), o, [](const std::string&) {});
-    // The cache holds what the reply says it ran: the prompt, then the kept tokens.
-    EXPECT_EQ(runner->position(), int64_t(r.ran.size())) << method;
-    EXPECT_TRUE(std::equal(r.ran.begin(), r.ran.end(), history.begin())) << method;
-    return std::make_pair(std::vector<int32_t>(history.begin() + long(prompt.size()), history.end()), r);
-  };
-  const auto [plain, r0] = run("none", 8);
+  const auto [plain, r0] = greedy_reply(*model, prompt, "none", 8);
   ASSERT_EQ(plain.size(), 70u);
   for (int draft : {1, 3, 8}) {
-    const auto [spec, r] = run("ngram", draft);
+    const auto [spec, r] = greedy_reply(*model, prompt, "ngram", draft);
     EXPECT_EQ(spec, plain) << "draft " << draft;
     EXPECT_GT(r.speculation.verifications, 0) << "draft " << draft;
     EXPECT_LE(r.speculation.accepted, r.speculation.drafted);
@@ -238,27 +241,12 @@ class MtpReply : public ::testing::TestWithParam<std::string> {};
 // most 1, 2 and 4 drafts per check; the target's cache holds what the reply ran.
 TEST_P(MtpReply, SameGreedyTokensAsWithout) {
   const MtpModel m = load_mtp_model(GetParam());
-  const Model* model = m.model.get();
-  const text::Tokenizer tok = byte_tokenizer();
   std::vector<int32_t> prompt;
   for (int i = 0; i < 20; ++i) prompt.push_back(int32_t(30 + (i * 11) % 17));
-  apps::ReplyOptions base;
-  base.max_tokens = 70;
-  auto run = [&](const std::string& method, int draft) {
-    auto runner = apps::Runner::make(*model, "cpu", 128, 2, {}, "auto", method == "mtp");
-    apps::ReplyOptions o = base;
-    o.speculation.method = method;
-    o.speculation.draft_tokens = draft;
-    std::vector<int32_t> history = prompt;
-    const apps::Reply r = apps::reply(*runner, tok, {}, prompt, history, prompt.size(), o, [](const std::string&) {});
-    EXPECT_EQ(runner->position(), int64_t(r.ran.size())) << method;
-    EXPECT_TRUE(std::equal(r.ran.begin(), r.ran.end(), history.begin())) << method;
-    return std::make_pair(std::vector<int32_t>(history.begin() + long(prompt.size()), history.end()), r);
-  };
-  const auto [plain, r0] = run("none", 1);
+  const auto [plain, r0] = greedy_reply(*m.model, prompt, "none", 1);
   ASSERT_EQ(plain.size(), 70u);
   for (int draft : {1, 2, 4}) {
-    const auto [spec, r] = run("mtp", draft);
+    const auto [spec, r] = greedy_reply(*m.model, prompt, "mtp", draft);
     EXPECT_EQ(spec, plain) << "draft " << draft;
     EXPECT_GT(r.speculation.verifications, 0) << "draft " << draft;
     EXPECT_LE(r.speculation.accepted, r.speculation.drafted);
@@ -342,8 +330,12 @@ void expect_same_cache(const KvCache& got, const KvCache& want, int64_t position
   const bool index = !l.index_layer.empty() && l.index_layer[0];
   for (int64_t p = 0; p < positions; ++p) {
     EXPECT_LE(test::rel_l2(got.k(0, p), want.k(0, p), l.k_row), 1e-5) << "keys, position " << p;
-    if (l.v_row) EXPECT_LE(test::rel_l2(got.v(0, p), want.v(0, p), l.v_row), 1e-5) << "values, position " << p;
-    if (index) EXPECT_LE(test::rel_l2(got.index_key(0, p), want.index_key(0, p), l.index_row), 1e-5) << "index keys, position " << p;
+    if (l.v_row) {
+      EXPECT_LE(test::rel_l2(got.v(0, p), want.v(0, p), l.v_row), 1e-5) << "values, position " << p;
+    }
+    if (index) {
+      EXPECT_LE(test::rel_l2(got.index_key(0, p), want.index_key(0, p), l.index_row), 1e-5) << "index keys, position " << p;
+    }
   }
 }
 

@@ -60,10 +60,7 @@ GemmPrefill::GemmPrefill(const DeviceModel& m, const Decoder& cache, int max_chu
     GemmPrefill& p;
     bool done = false;
     ~FreeOnFailure() {
-      if (done) return;
-      for (void* b : p.buffers_) cudaFree(b);
-      cudaFreeHost(p.counts_h_), cudaFreeHost(p.jobs_h_), cudaFreeHost(p.ptrs_h_);
-      if (p.blas_) cublasDestroy(p.blas_);
+      if (!done) p.release();
     }
   } guard{*this};
   const ModelConfig& c = m.config();
@@ -145,10 +142,18 @@ GemmPrefill::GemmPrefill(const DeviceModel& m, const Decoder& cache, int max_chu
   guard.done = true;
 }
 
-GemmPrefill::~GemmPrefill() {
+GemmPrefill::~GemmPrefill() { release(); }
+
+void GemmPrefill::release() {
   for (void* b : buffers_) cudaFree(b);
   cudaFreeHost(counts_h_), cudaFreeHost(jobs_h_), cudaFreeHost(ptrs_h_);
   if (blas_) cublasDestroy(blas_);
+}
+
+void GemmPrefill::gemm(const Gemm& g) {
+  KESTREL_CUBLAS_CHECK(cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, g.m, g.n, g.k, &g.alpha, g.a, CUDA_R_16BF, g.lda,
+                                    g.b, CUDA_R_16BF, g.ldb, &g.beta, g.c, CUDA_R_32F, g.ldc, CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
 }
 
 void GemmPrefill::gemms(const std::vector<Gemm>& g, cudaStream_t s) {
@@ -181,10 +186,7 @@ void GemmPrefill::gemms(const std::vector<Gemm>& g, cudaStream_t s) {
     std::fprintf(stderr, "cuBLAS refused the grouped GEMM (%s): one call per expert from here\n",
                  cublasGetStatusString(st));
   }
-  for (const Gemm& x : g)
-    KESTREL_CUBLAS_CHECK(cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, x.m, x.n, x.k, &x.alpha, x.a, CUDA_R_16BF, x.lda,
-                                      x.b, CUDA_R_16BF, x.ldb, &x.beta, x.c, CUDA_R_32F, x.ldc, CUBLAS_COMPUTE_32F,
-                                      CUBLAS_GEMM_DEFAULT));
+  for (const Gemm& x : g) gemm(x);
 }
 
 void GemmPrefill::linear(const DLinear& w, const __nv_bfloat16* x, int n, float* y, int ldy, bool accumulate,
@@ -200,9 +202,7 @@ void GemmPrefill::linear(const DLinear& w, const __nv_bfloat16* x, int n, float*
   g.c = y, g.ldc = ldy;
   g.m = w.out, g.n = n, g.k = w.in;
   g.alpha = bf16_alpha(w), g.beta = accumulate ? 1.0f : 0.0f;
-  KESTREL_CUBLAS_CHECK(cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, g.m, g.n, g.k, &g.alpha, g.a, CUDA_R_16BF, g.lda,
-                                    g.b, CUDA_R_16BF, g.ldb, &g.beta, g.c, CUDA_R_32F, g.ldc, CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT));
+  gemm(g);
   launch_add_bias(y, w.bias, n, w.out, ldy, s);
 }
 

@@ -52,9 +52,11 @@ class GemmPrefill {
     int m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
     float alpha = 1.0f, beta = 0.0f;
   };
+  void gemm(const Gemm& g);  // one cuBLAS call
   // One cuBLAS grouped call over all of them (one group each), or one call each where the
   // library refuses the grouped form.
   void gemms(const std::vector<Gemm>& g, cudaStream_t s);
+  void release();  // every buffer and handle taken so far
   // y [n, w.out] (rows ldy apart) = x [n, w.in] (BF16) x w^T (+ bias); added to y when accumulate.
   void linear(const DLinear& w, const __nv_bfloat16* x, int n, float* y, int ldy, bool accumulate, cudaStream_t s);
   // x_ += down(silu(gate(xb_)) * up(xb_)) for n rows.
