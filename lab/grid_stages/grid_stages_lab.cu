@@ -32,6 +32,9 @@
 //              the producer never waits on one while the other has room, so the next layers'
 //              fixed weights stream while a route is pending, and the experts' the moment it is
 //              known (the ring's in-order copying is what held `ring` back, v37). Not yet run.
+//   math1/8    tworings whose consumers do a product stage's arithmetic on the pages: every
+//              16-byte unit as 32 NVFP4 weights dotted with 1 or 8 activation rows in shared
+//              memory (can the consumers keep up with the stream at batch 1 and 8?)
 // Usage: grid_stages_lab [threads] [steps]     (512 threads per block, one block per SM; 20 steps)
 //
 // Measured (H100 80 GB HBM3, copy bandwidth 3.01 TB/s, floor 0.756 ms, 2026-12-07; docs/PERF.md
@@ -51,6 +54,8 @@
 #include <random>
 #include <vector>
 
+#include "backend/cuda/dequant.cuh"
+
 #define CHECK(x)                                                    \
   do {                                                              \
     cudaError_t e_ = (x);                                           \
@@ -63,7 +68,7 @@
 constexpr int kLayers = 48, kStages = 7, kPool = 16, kTopK = 8;
 constexpr uint32_t kSlotBytes = 110 * 1024;  // two slots of shared memory
 enum Kind { kFixed, kGateUp, kDown, kNone };
-enum Mode { kBarriers, kStream, kRead, kL2, kSmem, kRegs, kRing, kRingStream, kRingBig, kTwoRings };
+enum Mode { kBarriers, kStream, kRead, kL2, kSmem, kRegs, kRing, kRingStream, kRingBig, kTwoRings, kMath1, kMath8 };
 
 struct Stage {
   const uint8_t* base;  // layer l's bytes at base + l * layer_stride
@@ -439,17 +444,70 @@ __device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
   return ok != 0;
 }
 
+// The consumers of the two rings. B = 0: they read the pages (xor); B = 1 or 8: they do what a
+// product stage does with them, each 16-byte unit taken as 32 NVFP4 weights (one scale word per
+// unit, constant) dotted with B activation rows of kMathX floats in shared memory, so the
+// dequantization and FMAs at batch 1 and 8 are timed against the stream.
+constexpr int kMathX = 512;
+template <int B>
+__device__ void two_rings_consume(const Lab& L, const int* route, uint64_t* full, uint64_t* empty,
+                                  volatile int& routed, unsigned passed) {
+  constexpr int kAll = kFixedPages + kRoutedPages;
+  const unsigned blocks = gridDim.x;
+  const int G = kLayers * kStages;
+  float* x = reinterpret_cast<float*>(smem + size_t(kAll) * kPageBytes);
+  if (B > 0) {
+    for (int i = threadIdx.x; i < B * kMathX; i += kConsumerWarps * 32) x[i] = 1e-3f * float(i % 97);
+    asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32) : "memory");
+  }
+  uint4 acc = make_uint4(0, 0, 0, 0);
+  float facc[B > 0 ? B : 1];
+  for (int b = 0; b < (B > 0 ? B : 1); ++b) facc[b] = 0.0f;
+  const kestrel::cuda::NvRows mat[1] = {{nullptr, nullptr, 1.0f, 0}};
+  int taken[2] = {0, 0};
+  for (int g = 0; g <= G; ++g) {
+    if (g > 0) consumer_barrier(L.counter, (passed += 1) * blocks);
+    const int kind = g < G ? L.st[g % kStages].kind : kFixed;
+    if (kind == kGateUp && threadIdx.x == 0) routed = g;
+    const int r = routed_kind(kind) ? 1 : 0;
+    const int pages = r ? kRoutedPages : kFixedPages, base = r ? kFixedPages : 0;
+    for_chunks(L, route, g, [&](const uint8_t*, uint32_t n) {
+      const int page = base + taken[r] % pages;
+      uint8_t* pg = smem + size_t(page) * kPageBytes;
+      if constexpr (B == 0) {
+        read_page(pg, n, &full[page], uint32_t(taken[r] / pages) & 1, &empty[page], acc);
+      } else {
+        wait_slot(&full[page], uint32_t(taken[r] / pages) & 1);
+        const uint4* q = reinterpret_cast<const uint4*>(pg);
+        for (uint32_t u = threadIdx.x; u < n / 16; u += kConsumerWarps * 32) {
+          const uint4 c[1] = {q[u]};
+          const uint32_t sc[1] = {0x38383838u};
+          float part[1][B];
+          for (int b = 0; b < B; ++b) part[0][b] = 0.0f;
+          kestrel::cuda::nvfp4_group_fma<1, 1, B>(mat, c, sc, x + (u % (kMathX / 32)) * 32, kMathX, part);
+          for (int b = 0; b < B; ++b) facc[b] += part[0][b];
+        }
+        __syncwarp();
+        if ((threadIdx.x & 31) == 0)
+          asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(&empty[page])) : "memory");
+      }
+      ++taken[r];
+    });
+  }
+  float f = 0.0f;
+  for (int b = 0; b < (B > 0 ? B : 1); ++b) f += facc[b];
+  if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u || f == 1234.5f) atomicAdd(L.sink, 1ull);
+}
+
 __global__ void two_rings_kernel(const Lab L) {
   constexpr int kAll = kFixedPages + kRoutedPages;
   __shared__ uint64_t full[kAll], empty[kAll];  // fixed ring's pages first
   __shared__ volatile int routed;
   const int* route = L.route + size_t(L.step) * kLayers * kTopK;
-  const unsigned blocks = gridDim.x;
-  unsigned passed = unsigned(L.step) * (kLayers * kStages);
+  const unsigned passed = unsigned(L.step) * (kLayers * kStages);
   if (threadIdx.x == 0) init_pages(full, empty, kAll), routed = -1;
   __syncthreads();
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
-  const int G = kLayers * kStages;
   if (warp == kConsumerWarps) {  // the producer: whichever ring has room and a chunk, routed first
     if (lane != 0) return;
     Cursor c[2];
@@ -470,21 +528,9 @@ __global__ void two_rings_kernel(const Lab L) {
     }
     return;
   }
-  uint4 acc = make_uint4(0, 0, 0, 0);
-  int taken[2] = {0, 0};
-  for (int g = 0; g <= G; ++g) {
-    if (g > 0) consumer_barrier(L.counter, (passed += 1) * blocks);
-    const int kind = g < G ? L.st[g % kStages].kind : kFixed;
-    if (kind == kGateUp && threadIdx.x == 0) routed = g;
-    const int r = routed_kind(kind) ? 1 : 0;
-    const int pages = r ? kRoutedPages : kFixedPages, base = r ? kFixedPages : 0;
-    for_chunks(L, route, g, [&](const uint8_t*, uint32_t n) {
-      const int page = base + taken[r] % pages;
-      read_page(smem + size_t(page) * kPageBytes, n, &full[page], uint32_t(taken[r] / pages) & 1, &empty[page], acc);
-      ++taken[r];
-    });
-  }
-  if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) atomicAdd(L.sink, 1ull);
+  if (L.mode == kMath1) two_rings_consume<1>(L, route, full, empty, routed, passed);
+  else if (L.mode == kMath8) two_rings_consume<8>(L, route, full, empty, routed, passed);
+  else two_rings_consume<0>(L, route, full, empty, routed, passed);
 }
 
 int main(int argc, char** argv) {
@@ -556,10 +602,11 @@ int main(int argc, char** argv) {
               qkv / MB, kv / MB, o / MB, router / MB, gate_up * kTopK / MB, down * kTopK / MB, kLayers * kStages);
   CHECK(cudaFuncSetAttribute(stages_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(2 * kSlotBytes)));
   CHECK(cudaFuncSetAttribute(ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kPages * kPageBytes)));
-  CHECK(cudaFuncSetAttribute(two_rings_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             int((kFixedPages + kRoutedPages) * kPageBytes)));
-  const char* names[] = {"barriers", "stream", "read", "l2", "smem", "regs", "ring", "ringstream", "ringbig", "tworings"};
-  for (int mode : {kBarriers, kStream, kRead, kL2, kSmem, kRegs, kRing, kRingStream, kRingBig, kTwoRings}) {
+  const int two_smem = (kFixedPages + kRoutedPages) * kPageBytes + 8 * kMathX * 4;
+  CHECK(cudaFuncSetAttribute(two_rings_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, two_smem));
+  const char* names[] = {"barriers", "stream", "read", "l2", "smem", "regs", "ring", "ringstream", "ringbig", "tworings",
+                         "math1", "math8"};
+  for (int mode : {kBarriers, kStream, kRead, kRegs, kRing, kRingStream, kTwoRings, kMath1, kMath8}) {
     CHECK(cudaMemset(L.counter, 0, 4));
     std::vector<float> t;
     for (int step = 0; step < steps + 3; ++step) {
@@ -567,9 +614,9 @@ int main(int argc, char** argv) {
       void* args[] = {&L};
       CHECK(cudaEventRecord(e0));
       L.pages = mode == kRingBig ? 6 : kPages, L.page_bytes = mode == kRingBig ? 2 * kPageBytes : kPageBytes;
-      if (mode == kTwoRings)
+      if (mode >= kTwoRings)
         CHECK(cudaLaunchCooperativeKernel(two_rings_kernel, dim3(sms), dim3((kConsumerWarps + 1) * 32), args,
-                                          (kFixedPages + kRoutedPages) * kPageBytes, 0));
+                                          two_smem, 0));
       else if (mode >= kRing)  // 16 warps: 15 consumers and the producer
         CHECK(cudaLaunchCooperativeKernel(ring_kernel, dim3(sms), dim3((kConsumerWarps + 1) * 32), args, kPages * kPageBytes, 0));
       else
