@@ -35,6 +35,10 @@
 //   math1/8    tworings whose consumers do a product stage's arithmetic on the pages: every
 //              16-byte unit as 32 NVFP4 weights dotted with 1 or 8 activation rows in shared
 //              memory (can the consumers keep up with the stream at batch 1 and 8?)
+//   mma1/8     the same on tensor cores, as slot_mma.cuh computes one token's or eight tokens'
+//              products: each page as 16 rows of 1 KB (K = 2048), a warp per 128-weight chunk of
+//              the 16 rows (two 16-byte loads per lane), 16 MMAs per chunk on hi + lo FP16 parts of
+//              the activations (fragment rows in shared memory: one token's, or lane g token g's)
 // Usage: grid_stages_lab [threads] [steps]     (512 threads per block, one block per SM; 20 steps)
 //
 // Measured (H100 80 GB HBM3, copy bandwidth 3.01 TB/s, floor 0.756 ms, 2026-12-07; docs/PERF.md
@@ -55,6 +59,7 @@
 #include <vector>
 
 #include "backend/cuda/dequant.cuh"
+#include "backend/cuda/slot_mma.cuh"
 
 #define CHECK(x)                                                    \
   do {                                                              \
@@ -68,7 +73,7 @@
 constexpr int kLayers = 48, kStages = 7, kPool = 16, kTopK = 8;
 constexpr uint32_t kSlotBytes = 110 * 1024;  // two slots of shared memory
 enum Kind { kFixed, kGateUp, kDown, kNone };
-enum Mode { kBarriers, kStream, kRead, kL2, kSmem, kRegs, kRing, kRingStream, kRingBig, kTwoRings, kMath1, kMath8 };
+enum Mode { kBarriers, kStream, kRead, kL2, kSmem, kRegs, kRing, kRingStream, kRingBig, kTwoRings, kMath1, kMath8, kMma1, kMma8 };
 
 struct Stage {
   const uint8_t* base;  // layer l's bytes at base + l * layer_stride
@@ -86,7 +91,16 @@ struct Lab {
   int mode, step;
   uint32_t page_bytes;  // ring modes
   int pages;
+  // When set (the two-ring modes): per block and stage, the global timer before the consumers'
+  // barrier, after it, and when warp 0 has read the stage's pages.
+  unsigned long long* trace;
 };
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
@@ -449,7 +463,7 @@ __device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
 // unit, constant) dotted with B activation rows of kMathX floats in shared memory, so the
 // dequantization and FMAs at batch 1 and 8 are timed against the stream.
 constexpr int kMathX = 512;
-template <int B>
+template <int B, bool kMma = false>
 __device__ void two_rings_consume(const Lab& L, const int* route, uint64_t* full, uint64_t* empty,
                                   volatile int& routed, unsigned passed) {
   constexpr int kAll = kFixedPages + kRoutedPages;
@@ -466,16 +480,40 @@ __device__ void two_rings_consume(const Lab& L, const int* route, uint64_t* full
   const kestrel::cuda::NvRows mat[1] = {{nullptr, nullptr, 1.0f, 0}};
   int taken[2] = {0, 0};
   for (int g = 0; g <= G; ++g) {
+    unsigned long long* tr = L.trace && threadIdx.x == 0 ? L.trace + (size_t(blockIdx.x) * (G + 1) + g) * 3 : nullptr;
+    if (tr) tr[0] = global_ns();
     if (g > 0) consumer_barrier(L.counter, (passed += 1) * blocks);
+    if (tr) tr[1] = global_ns();
     const int kind = g < G ? L.st[g % kStages].kind : kFixed;
     if (kind == kGateUp && threadIdx.x == 0) routed = g;
     const int r = routed_kind(kind) ? 1 : 0;
     const int pages = r ? kRoutedPages : kFixedPages, base = r ? kFixedPages : 0;
+    if (tr) __syncwarp();
     for_chunks(L, route, g, [&](const uint8_t*, uint32_t n) {
       const int page = base + taken[r] % pages;
       uint8_t* pg = smem + size_t(page) * kPageBytes;
       if constexpr (B == 0) {
         read_page(pg, n, &full[page], uint32_t(taken[r] / pages) & 1, &empty[page], acc);
+      } else if constexpr (kMma) {
+        wait_slot(&full[page], uint32_t(taken[r] / pages) & 1);
+        const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31, g = lane >> 2, j = lane & 3;
+        const uint4* q = reinterpret_cast<const uint4*>(pg);
+        const uint32_t* xf = reinterpret_cast<const uint32_t*>(x) + (B == 8 ? g : 0) * kMathX;
+        // A full page: 16 rows of 1 KB, chunk c of rows g and g + 8 at words 64 row + 4 c + j; a
+        // stage's last, partial page: its whole KBs as chunks of 16 rows x 64 bytes.
+        const bool whole = n == kPageBytes;
+        for (int c = warp; c < int(n / 1024); c += kConsumerWarps) {
+          kestrel::cuda::SlotChunk ch;
+          ch.qa = whole ? q[g * 64 + 4 * c + j] : q[c * 64 + g * 4 + j];
+          ch.qb = whole ? q[(g + 8) * 64 + 4 * c + j] : q[c * 64 + (g + 8) * 4 + j];
+          ch.sa = ch.sb = 0x3838u;
+          float a4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          kestrel::cuda::slot_chunk_mma(ch, xf, c % (kMathX / 128), j, a4);
+          facc[0] += a4[0] + a4[2];
+        }
+        __syncwarp();
+        if ((threadIdx.x & 31) == 0)
+          asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(&empty[page])) : "memory");
       } else {
         wait_slot(&full[page], uint32_t(taken[r] / pages) & 1);
         const uint4* q = reinterpret_cast<const uint4*>(pg);
@@ -493,6 +531,7 @@ __device__ void two_rings_consume(const Lab& L, const int* route, uint64_t* full
       }
       ++taken[r];
     });
+    if (tr) tr[2] = global_ns();
   }
   float f = 0.0f;
   for (int b = 0; b < (B > 0 ? B : 1); ++b) f += facc[b];
@@ -530,7 +569,42 @@ __global__ void two_rings_kernel(const Lab L) {
   }
   if (L.mode == kMath1) two_rings_consume<1>(L, route, full, empty, routed, passed);
   else if (L.mode == kMath8) two_rings_consume<8>(L, route, full, empty, routed, passed);
+  else if (L.mode == kMma1) two_rings_consume<1, true>(L, route, full, empty, routed, passed);
+  else if (L.mode == kMma8) two_rings_consume<8, true>(L, route, full, empty, routed, passed);
   else two_rings_consume<0>(L, route, full, empty, routed, passed);
+}
+
+// One more step of a two-ring mode with the trace on: per stage of a layer, the consumers' mean
+// wait at the barrier before it and their time reading its pages (warp 0's), over blocks and
+// layers, in microseconds.
+void print_trace(Lab L, int sms, int mode, int step) {
+  const int G = kLayers * kStages;
+  const size_t n = size_t(sms) * (G + 1) * 3;
+  unsigned long long* d = nullptr;
+  CHECK(cudaMalloc(&d, n * 8));
+  CHECK(cudaMemset(d, 0, n * 8));
+  L.mode = mode, L.step = step, L.trace = d;
+  void* args[] = {&L};
+  const int smem_bytes = (kFixedPages + kRoutedPages) * kPageBytes + 8 * kMathX * 4;
+  CHECK(cudaLaunchCooperativeKernel(two_rings_kernel, dim3(sms), dim3((kConsumerWarps + 1) * 32), args, smem_bytes, 0));
+  CHECK(cudaDeviceSynchronize());
+  std::vector<unsigned long long> t(n);
+  CHECK(cudaMemcpy(t.data(), d, n * 8, cudaMemcpyDeviceToHost));
+  CHECK(cudaFree(d));
+  const char* names[kStages + 1] = {"q/k/v", "attention", "combine", "o", "router", "gate/up", "down", "head"};
+  double wait[kStages + 1] = {}, read[kStages + 1] = {};
+  for (int b = 0; b < sms; ++b)
+    for (int g = 1; g <= G; ++g) {
+      const unsigned long long* x = t.data() + (size_t(b) * (G + 1) + g) * 3;
+      const int s = g < G ? g % kStages : kStages;
+      wait[s] += double(x[1] - x[0]) / 1e3, read[s] += double(x[2] - x[1]) / 1e3;
+    }
+  std::printf("    per stage, us (barrier wait / reading pages):");
+  for (int s = 0; s <= kStages; ++s) {
+    const double per = s < kStages ? double(sms) * kLayers : double(sms);
+    std::printf(" %s %.2f/%.2f", names[s], wait[s] / per, read[s] / per);
+  }
+  std::printf("\n");
 }
 
 int main(int argc, char** argv) {
@@ -602,11 +676,11 @@ int main(int argc, char** argv) {
               qkv / MB, kv / MB, o / MB, router / MB, gate_up * kTopK / MB, down * kTopK / MB, kLayers * kStages);
   CHECK(cudaFuncSetAttribute(stages_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(2 * kSlotBytes)));
   CHECK(cudaFuncSetAttribute(ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kPages * kPageBytes)));
-  const int two_smem = (kFixedPages + kRoutedPages) * kPageBytes + 8 * kMathX * 4;
+  const int two_smem = (kFixedPages + kRoutedPages) * kPageBytes + 8 * kMathX * 4;  // as print_trace
   CHECK(cudaFuncSetAttribute(two_rings_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, two_smem));
   const char* names[] = {"barriers", "stream", "read", "l2", "smem", "regs", "ring", "ringstream", "ringbig", "tworings",
-                         "math1", "math8"};
-  for (int mode : {kBarriers, kStream, kRead, kRegs, kRing, kRingStream, kTwoRings, kMath1, kMath8}) {
+                         "math1", "math8", "mma1", "mma8"};
+  for (int mode : {kBarriers, kStream, kRead, kRingStream, kTwoRings, kMath1, kMath8, kMma1, kMma8}) {
     CHECK(cudaMemset(L.counter, 0, 4));
     std::vector<float> t;
     for (int step = 0; step < steps + 3; ++step) {
@@ -634,6 +708,7 @@ int main(int argc, char** argv) {
     if (mode == kBarriers) std::printf("  %.2f us per barrier", med * 1e3 / barriers);
     else std::printf("  %.2f TB/s", total / (med * 1e-3) / 1e12);
     std::printf("\n");
+    if (mode >= kTwoRings) print_trace(L, sms, mode, steps + 3);
   }
   return 0;
 }

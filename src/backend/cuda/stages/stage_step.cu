@@ -182,7 +182,9 @@ StageStep::StageStep(const DeviceModel& model, Decoder& kv, int batch) : d_(std:
   if (batch < 1 || batch > 8) fail("stage step: 1 to 8 sequences, not ", batch);
   if (batch > kv.max_batch()) fail("stage step: ", batch, " sequences over a decoder of ", kv.max_batch());
   if (c.is_mla()) fail("stage step: no MLA stages yet (", c.architecture, ")");
-  if (model.lm_head().out != c.vocab_size) fail("stage step: a split model (one rank's part) is not taken yet");
+  if (model.lm_head().out != c.vocab_size)
+    fail("stage step: an LM head of ", model.lm_head().out, " rows for a vocabulary of ", c.vocab_size,
+         " (a split model's share) is not taken yet");
   if (kv.kv(0).table_stride == 0) fail("stage step: decode steps only, not a one-sequence (prefill) decoder");
   if (H % 4 != 0) fail("stage step: hidden size ", H, " (a multiple of 4)");
   if (hd > kStageMaxHeadDim || hd % 2 || nq % nkv)
