@@ -488,7 +488,6 @@ __device__ void two_rings_consume(const Lab& L, const int* route, uint64_t* full
     if (kind == kGateUp && threadIdx.x == 0) routed = g;
     const int r = routed_kind(kind) ? 1 : 0;
     const int pages = r ? kRoutedPages : kFixedPages, base = r ? kFixedPages : 0;
-    if (tr) __syncwarp();
     for_chunks(L, route, g, [&](const uint8_t*, uint32_t n) {
       const int page = base + taken[r] % pages;
       uint8_t* pg = smem + size_t(page) * kPageBytes;
@@ -608,6 +607,7 @@ void print_trace(Lab L, int sms, int mode, int step) {
 }
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as it comes, also into a pipe
   const int threads = argc > 1 ? std::atoi(argv[1]) : 512;
   const int steps = argc > 2 ? std::atoi(argv[2]) : 20;
   int sms = 0, coop = 0;
@@ -637,7 +637,7 @@ int main(int argc, char** argv) {
   L.head = hp, L.head_bytes = head;
   total += head;
   // Routes: kTopK distinct experts of the pool per layer, fresh every step.
-  std::vector<int> routes(size_t(steps + 3) * kLayers * kTopK);
+  std::vector<int> routes(size_t(steps + 4) * kLayers * kTopK);  // + the traced step
   std::mt19937 rng(5);
   for (size_t i = 0; i < routes.size() / kTopK; ++i) {
     std::vector<int> e(kPool);
