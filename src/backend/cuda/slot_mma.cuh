@@ -100,7 +100,9 @@ __device__ __forceinline__ uint32_t word_of(const uint4& q, int i) {
 // and up, share each B fragment load): acc[m][0..1] row ra, acc[m][2..3] row rb, columns 2j and
 // 2j + 1. Every lane of the per-slot kernels passes the same row, so a lane's two columns are
 // equal; in the expert-grouped kernels lane (g, j) passes token g's row, so column n is token n.
-template <int M>
+// kWritten: xf is global memory written earlier in the same kernel (the stage step), read
+// through the L2 rather than the read-only path.
+template <int M, bool kWritten = false>
 __device__ __forceinline__ void slot_chunks_mma(const SlotChunk (&r)[M], const uint32_t* __restrict__ xf, int c, int j,
                                                 float (&acc)[M][4]) {
   __half2 sa[M][2], sb[M][2];
@@ -114,7 +116,7 @@ __device__ __forceinline__ void slot_chunks_mma(const SlotChunk (&r)[M], const u
     for (int m = 0; m < M; ++m) e2m1x8_h2(word_of(r[m].qa, i), pa[m]), e2m1x8_h2(word_of(r[m].qb, i), pb[m]);
     #pragma unroll
     for (int p = 0; p < 2; ++p) {
-      const uint4 b = xb[4 * (2 * i + p)];
+      const uint4 b = kWritten ? __ldcg(xb + 4 * (2 * i + p)) : xb[4 * (2 * i + p)];
       #pragma unroll
       for (int m = 0; m < M; ++m) {
         const uint32_t a[4] = {h2_bits(__hmul2(bits_h2(pa[m][2 * p]), sa[m][i >> 1])),
@@ -128,9 +130,11 @@ __device__ __forceinline__ void slot_chunks_mma(const SlotChunk (&r)[M], const u
   }
 }
 
+template <bool kWritten = false>
 __device__ __forceinline__ void slot_chunk_mma(const SlotChunk& r, const uint32_t* __restrict__ xf, int c, int j,
                                                float (&acc)[4]) {
-  slot_chunks_mma<1>(reinterpret_cast<const SlotChunk(&)[1]>(r), xf, c, j, reinterpret_cast<float(&)[1][4]>(acc));
+  slot_chunks_mma<1, kWritten>(reinterpret_cast<const SlotChunk(&)[1]>(r), xf, c, j,
+                               reinterpret_cast<float(&)[1][4]>(acc));
 }
 
 // One round of N chunks: the loads of chunks [c, min(c + N, c1)), then their products.

@@ -29,6 +29,7 @@ struct SArgs {
   float eps = 0, scale = 0;
   int n_layers = 0, batch = 0, hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, splits = 0, vocab = 0;
   int experts = 0;
+  int mma = 0;  // NVFP4 products on tensor cores where they fit (stage_mma.cuh; KESTREL_STAGE_MMA, an open A/B)
 
   // The batch: tokens and positions (the decoder's), and the stages' buffers.
   const int32_t* tokens = nullptr;
@@ -37,10 +38,10 @@ struct SArgs {
   float* qkv = nullptr;      // [batch, (heads + 2 kv_heads) head_dim]
   float* part_ml = nullptr;  // [batch, heads, splits, 2] each split's max and sum
   float* part = nullptr;     // [batch, heads, splits, head_dim] each split's weighted values
-  float* att = nullptr;      // [batch, heads head_dim]
+  float* att = nullptr;      // [batch, heads head_dim]; fragment rows where o is on tensor cores
   float* rlogits = nullptr;  // [batch, experts]
   float* act = nullptr;      // MoE: [distinct experts, B, expert width]; dense: [batch, intermediate]
-  float* act_shared = nullptr;  // [batch, shared expert width]
+  float* act_shared = nullptr;  // [batch, shared expert width] (both as fragment rows on tensor cores)
   float* logits = nullptr;   // [batch, vocab]
 
   // The grid barrier (grid_barrier.cuh): counts up across steps, never reset.
@@ -52,7 +53,8 @@ struct SArgs {
   long long timeout_ns = 2000000000;
   // When set: per barrier-delimited stage and block, the SM clock at its start and its end.
   long long* trace = nullptr;
-  uint32_t xn_floats = 0;         // dynamic shared memory: the normalized rows [B, hidden], then scratch
+  uint32_t xn_floats = 0;         // dynamic shared memory: the normalized rows [B, hidden], with mma as
+                                  // fragment rows too [B, hidden], then scratch
 };
 
 }  // namespace kestrel::cuda

@@ -34,7 +34,7 @@ __device__ __forceinline__ void qk_norm_rows(float* v, int n, int hd, const floa
 
 // Item (token x head, 32 dimensions) of the splits' merge, by one warp. The parts come from other
 // blocks and are read once: loads through the L2 (.cg).
-__device__ __forceinline__ void combine_item(const SArgs& a, int bh, int d) {
+__device__ __forceinline__ void combine_item(const SArgs& a, int bh, int d, bool frag) {
   const int hd = a.head_dim, splits = a.splits;
   constexpr int kRegs = kStageMaxSplits / 32;
   const float* ml = a.part_ml + size_t(bh) * splits * 2;
@@ -69,7 +69,13 @@ __device__ __forceinline__ void combine_item(const SArgs& a, int bh, int d) {
     #pragma unroll
     for (int j = 0; j < 8; ++j) o += __shfl_sync(0xffffffffu, mr, (s0 + j) & 31) * v[j];
   }
-  if (d < hd) a.att[size_t(bh) * hd + d] = o / total;
+  if (d >= hd) return;
+  if (frag) {  // o's input as fragment rows (stage_mma.cuh): row b, element h hd + d
+    const int row = a.heads * hd, b = bh / a.heads;
+    frag_store(reinterpret_cast<uint32_t*>(a.att) + size_t(b) * row, (bh % a.heads) * hd + d, o / total);
+  } else {
+    a.att[size_t(bh) * hd + d] = o / total;
+  }
 }
 
 template <int B, class T>
@@ -221,12 +227,12 @@ __device__ __noinline__ void stage_attention_split(const SArgs& a, const DLayer&
   }
 }
 
-// The splits merged: a warp per (token, head, 32 dimensions) over the grid.
-__device__ __noinline__ void stage_attention_combine(const SArgs& a) {
+// The splits merged: a warp per (token, head, 32 dimensions) over the grid; frag: as fragment rows.
+__device__ __noinline__ void stage_attention_combine(const SArgs& a, bool frag) {
   const int chunks = (a.head_dim + 31) / 32;
   const int warps = int(gridDim.x) * kStageWarps, items = a.batch * a.heads * chunks;
   for (int item = int(blockIdx.x) * kStageWarps + stage_warp(); item < items; item += warps)
-    combine_item(a, item / chunks, (item % chunks) * 32 + stage_lane());
+    combine_item(a, item / chunks, (item % chunks) * 32 + stage_lane(), frag);
 }
 
 }  // namespace kestrel::cuda

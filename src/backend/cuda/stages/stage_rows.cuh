@@ -5,6 +5,7 @@
 // launched kernels' own), so each weight is read once per step.
 #pragma once
 #include "backend/cuda/dequant.cuh"
+#include "backend/cuda/slot_mma.cuh"
 #include "backend/cuda/stages/stage_args.h"
 
 namespace kestrel::cuda {
@@ -20,10 +21,12 @@ __device__ __forceinline__ int stage_lane() { return int(threadIdx.x) & 31; }
 constexpr int kStageWarps = kStageThreads / 32;
 
 // out[b] = w * x[b] / rms(x[b]) for b < batch, zeros for batch <= b < B (so that the products'
-// unused columns stay finite). x: global rows of n floats written by other blocks before the
-// barrier; out: shared memory. red: 32 x B floats. Ends with a barrier.
+// unused columns stay finite); where xf is given (n % 128 == 0), rows b < batch also as fragment
+// rows there (slot_mma.cuh). x: global rows of n floats written by other blocks before the
+// barrier; out, xf: shared memory. red: 32 x B floats. Ends with a barrier.
 template <int B>
-__device__ __noinline__ void stage_norm(const float* x, const float* w, int batch, int n, float eps, float* out, float* red) {
+__device__ __noinline__ void stage_norm(const float* x, const float* w, int batch, int n, float eps, float* out, float* red,
+                                        uint32_t* xf = nullptr) {
   float ss[B];
   #pragma unroll
   for (int b = 0; b < B; ++b) ss[b] = 0.0f;
@@ -55,6 +58,7 @@ __device__ __noinline__ void stage_norm(const float* x, const float* w, int batc
       float4& v = reinterpret_cast<float4*>(out + size_t(b) * n)[i];
       if (b < batch) v = make_float4(g.x * v.x * inv[b], g.y * v.y * inv[b], g.z * v.z * inv[b], g.w * v.w * inv[b]);
       else v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (xf && b < batch) frag_store4(xf + size_t(b) * n, 4 * i, v);
     }
   }
   __syncthreads();

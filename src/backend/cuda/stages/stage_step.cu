@@ -12,8 +12,10 @@
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/stages/grid_barrier.cuh"
 #include "backend/cuda/stages/stage_attention.cuh"
+#include "backend/cuda/stages/stage_mma.cuh"
 #include "backend/cuda/stages/stage_moe.cuh"
 #include "backend/cuda/stages/stage_rows.cuh"
+#include "common/env.h"
 #include "common/error.h"
 
 namespace kestrel::cuda {
@@ -76,6 +78,7 @@ __global__ void __launch_bounds__(kStageThreads, 1) stage_step_kernel(const SArg
   __shared__ float s_red[kStageWarps * 8];  // a block's reductions: 16 warps x R x B
   __shared__ uint32_t s_epoch;
   float* const xn = smem;                   // [B][hidden]: the normalized rows
+  uint32_t* const xf = reinterpret_cast<uint32_t*>(smem) + size_t(B) * a.hidden;  // and as fragment rows (mma)
   float* const scratch = smem + a.xn_floats;
   if (threadIdx.x == 0) s_epoch = *a.epoch;
   load_layer(a, 0, s_layer, s_kv);
@@ -103,34 +106,56 @@ __global__ void __launch_bounds__(kStageThreads, 1) stage_step_kernel(const SArg
 
   for (int l = 0; l < a.n_layers; ++l) {
     const DLayer& L = s_layer[l & 1];
+    const int hd = a.head_dim;
     {  // RMSNorm and q | k | v
-      stage_norm<B>(a.x, L.attn_norm, a.batch, H, a.eps, xn, s_red);
-      const int hd = a.head_dim, Q = (a.heads + 2 * a.kv_heads) * hd;
-      const int gq = (a.heads * hd + R - 1) / R, gk = (a.kv_heads * hd + R - 1) / R;
-      for_row_groups(gq + 2 * gk, [&](int g) {
-        if (g < gq) stage_linear_rows<R, B>(L.q, g * R, xn, H, a.batch, a.qkv, Q, false);
-        else if (g < gq + gk) stage_linear_rows<R, B>(L.k, (g - gq) * R, xn, H, a.batch, a.qkv + a.heads * hd, Q, false);
-        else
-          stage_linear_rows<R, B>(L.v, (g - gq - gk) * R, xn, H, a.batch, a.qkv + (a.heads + a.kv_heads) * hd, Q, false);
-      });
+      const int Q = (a.heads + 2 * a.kv_heads) * hd;
+      const bool mma = a.mma && H % kFragChunk == 0 && slot_mma_fits(L.q) && slot_mma_fits(L.k) && slot_mma_fits(L.v);
+      stage_norm<B>(a.x, L.attn_norm, a.batch, H, a.eps, xn, s_red, mma ? xf : nullptr);
+      if (mma) {
+        const StageMmaJobs jobs{{&L.q, &L.k, &L.v}, {a.qkv, a.qkv + a.heads * hd, a.qkv + (a.heads + a.kv_heads) * hd}, 3};
+        stage_linear_mma<false>(jobs, xf, a.batch, Q, false, scratch);
+      } else {
+        const int gq = (a.heads * hd + R - 1) / R, gk = (a.kv_heads * hd + R - 1) / R;
+        for_row_groups(gq + 2 * gk, [&](int g) {
+          if (g < gq) stage_linear_rows<R, B>(L.q, g * R, xn, H, a.batch, a.qkv, Q, false);
+          else if (g < gq + gk) stage_linear_rows<R, B>(L.k, (g - gq) * R, xn, H, a.batch, a.qkv + a.heads * hd, Q, false);
+          else
+            stage_linear_rows<R, B>(L.v, (g - gq - gk) * R, xn, H, a.batch, a.qkv + (a.heads + a.kv_heads) * hd, Q, false);
+        });
+      }
     }
     if (!next()) return;
     stage_attention_split<B, T>(a, L, s_kv[l & 1], scratch);
     if (!next()) return;
+    // o on tensor cores takes attention's output as fragment rows.
+    const bool o_mma = a.mma && (a.heads * hd) % kFragChunk == 0 && slot_mma_fits(L.o);
     load_layer(a, l + 1, s_layer, s_kv);  // read from the next layer's first stage on
-    stage_attention_combine(a);
+    stage_attention_combine(a, o_mma);
     if (!next()) return;
-    stage_linear<B>(L.o, a.att, a.heads * a.head_dim, a.batch, a.x, H, true, s_red);
-    if (!next()) return;
-    stage_norm<B>(a.x, L.ffn_norm, a.batch, H, a.eps, xn, s_red);  // kept for the next stage
-    if (L.is_moe) {
-      stage_linear<B>(L.moe.router.w, xn, H, a.batch, a.rlogits, L.moe.router.experts, false, s_red);
-      if (!next()) return;
-      stage_select<B>(a, L.moe, s_route, scratch);
-      stage_expert_gate_up<B>(a, L.moe, s_route, xn);
-      if (!next()) return;
-      stage_expert_down<B>(a, L.moe, s_route, s_red);
+    if (o_mma) {
+      const StageMmaJobs jobs{{&L.o, nullptr, nullptr}, {a.x, nullptr, nullptr}, 1};
+      stage_linear_mma<true>(jobs, reinterpret_cast<const uint32_t*>(a.att), a.batch, H, true, scratch);
     } else {
+      stage_linear<B>(L.o, a.att, a.heads * hd, a.batch, a.x, H, true, s_red);
+    }
+    if (!next()) return;
+    if (L.is_moe) {
+      const DMoe& m = L.moe;
+      const bool mma = a.mma && H % kFragChunk == 0 && m.frag_gate_up && m.slot_down_mma &&
+                       m.local_experts == a.experts &&
+                       (!m.has_shared || (slot_mma_fits(m.shared_gate) && slot_mma_fits(m.shared_up) &&
+                                          slot_mma_fits(m.shared_down) && m.shared_gate.out % kFragChunk == 0));
+      stage_norm<B>(a.x, L.ffn_norm, a.batch, H, a.eps, xn, s_red, mma ? xf : nullptr);  // kept for the next stage
+      stage_linear<B>(m.router.w, xn, H, a.batch, a.rlogits, m.router.experts, false, s_red);
+      if (!next()) return;
+      stage_select<B>(a, m, s_route, scratch);
+      if (mma) stage_expert_gate_up_mma<B>(a, m, s_route, xf, scratch);
+      else stage_expert_gate_up<B>(a, m, s_route, xn);
+      if (!next()) return;
+      if (mma) stage_expert_down_mma<B>(a, m, s_route, scratch);
+      else stage_expert_down<B>(a, m, s_route, s_red);
+    } else {
+      stage_norm<B>(a.x, L.ffn_norm, a.batch, H, a.eps, xn, s_red);
       const int I = L.gate.out;
       for_row_groups((I + R - 1) / R,
                      [&](int g) { stage_gated_rows<R, B>(L.gate, L.up, g * R, xn, H, a.batch, a.act, I); });
@@ -257,9 +282,11 @@ StageStep::StageStep(const DeviceModel& model, Decoder& kv, int batch) : d_(std:
   a.barriers = int(stages_.size()) - 1;
 
   // Shared memory: the normalized rows, then the larger of the attention's and the route's scratch.
-  a.xn_floats = uint32_t(Bs * H);
-  const size_t scratch = std::max<size_t>(stage_attention_floats(int(G), int(hd)),
-                                          stage_route_floats(Bt, int(std::max<int64_t>(c.num_experts, 1))));
+  a.mma = env_int("KESTREL_STAGE_MMA", 0) != 0 ? 1 : 0;
+  a.xn_floats = uint32_t(Bs * H * (a.mma ? 2 : 1));
+  const size_t scratch = std::max({size_t(stage_attention_floats(int(G), int(hd))),
+                                   size_t(stage_route_floats(Bt, int(std::max<int64_t>(c.num_experts, 1)))),
+                                   a.mma ? size_t(kStageMmaRedFloats) : size_t(0)});
   d_->smem = (size_t(a.xn_floats) + scratch) * 4 + 16;
   auto pick = [&](auto bt) {
     constexpr int R = decltype(bt)::value;
