@@ -92,9 +92,12 @@ struct Lab {
   uint32_t page_bytes;  // ring modes
   int pages;
   // When set (the two-ring modes): per block and stage, the global timer before the consumers'
-  // barrier, after it, and when warp 0 has read the stage's pages.
+  // barrier, after it, when warp 0 has read the stage's pages, and when the producer issued the
+  // stage's first and last page.
   unsigned long long* trace;
 };
+
+constexpr int kTraceWords = 5;  // per block and stage (Lab::trace)
 
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
@@ -480,7 +483,7 @@ __device__ void two_rings_consume(const Lab& L, const int* route, uint64_t* full
   const kestrel::cuda::NvRows mat[1] = {{nullptr, nullptr, 1.0f, 0}};
   int taken[2] = {0, 0};
   for (int g = 0; g <= G; ++g) {
-    unsigned long long* tr = L.trace && threadIdx.x == 0 ? L.trace + (size_t(blockIdx.x) * (G + 1) + g) * 3 : nullptr;
+    unsigned long long* tr = L.trace && threadIdx.x == 0 ? L.trace + (size_t(blockIdx.x) * (G + 1) + g) * kTraceWords : nullptr;
     if (tr) tr[0] = global_ns();
     if (g > 0) consumer_barrier(L.counter, (passed += 1) * blocks);
     if (tr) tr[1] = global_ns();
@@ -560,6 +563,12 @@ __global__ void two_rings_kernel(const Lab L) {
         if (round > 0 && !mbar_test(&empty[base + page], uint32_t(round - 1) & 1)) continue;
         const uint32_t n = min(kPageBytes, c[r].ps[c[r].k].n - c[r].at);
         copy_page(smem + size_t(base + page) * kPageBytes, c[r].ps[c[r].k].p + c[r].at, n, &full[base + page]);
+        if (L.trace) {
+          unsigned long long* t = L.trace + (size_t(blockIdx.x) * (kLayers * kStages + 1) + c[r].g) * kTraceWords;
+          const unsigned long long now = global_ns();
+          if (c[r].at == 0 && c[r].k == 0) t[3] = now;
+          t[4] = now;
+        }
         c[r].at += n, ++issued[r], any = true;
       }
       if (!any) __nanosleep(32);
@@ -578,7 +587,7 @@ __global__ void two_rings_kernel(const Lab L) {
 // layers, in microseconds.
 void print_trace(Lab L, int sms, int mode, int step) {
   const int G = kLayers * kStages;
-  const size_t n = size_t(sms) * (G + 1) * 3;
+  const size_t n = size_t(sms) * (G + 1) * kTraceWords;
   unsigned long long* d = nullptr;
   CHECK(cudaMalloc(&d, n * 8));
   CHECK(cudaMemset(d, 0, n * 8));
@@ -591,17 +600,23 @@ void print_trace(Lab L, int sms, int mode, int step) {
   CHECK(cudaMemcpy(t.data(), d, n * 8, cudaMemcpyDeviceToHost));
   CHECK(cudaFree(d));
   const char* names[kStages + 1] = {"q/k/v", "attention", "combine", "o", "router", "gate/up", "down", "head"};
-  double wait[kStages + 1] = {}, read[kStages + 1] = {};
+  double wait[kStages + 1] = {}, read[kStages + 1] = {}, ahead[kStages + 1] = {}, last[kStages + 1] = {};
   for (int b = 0; b < sms; ++b)
     for (int g = 1; g <= G; ++g) {
-      const unsigned long long* x = t.data() + (size_t(b) * (G + 1) + g) * 3;
+      const unsigned long long* x = t.data() + (size_t(b) * (G + 1) + g) * kTraceWords;
       const int s = g < G ? g % kStages : kStages;
       wait[s] += double(x[1] - x[0]) / 1e3, read[s] += double(x[2] - x[1]) / 1e3;
+      if (x[3]) ahead[s] += (double(x[1]) - double(x[3])) / 1e3, last[s] += (double(x[1]) - double(x[4])) / 1e3;
     }
   std::printf("    per stage, us (barrier wait / reading pages):");
   for (int s = 0; s <= kStages; ++s) {
     const double per = s < kStages ? double(sms) * kLayers : double(sms);
     std::printf(" %s %.2f/%.2f", names[s], wait[s] / per, read[s] / per);
+  }
+  std::printf("\n    first / last page issued this long before the stage's barrier passed, us:");
+  for (int s = 0; s <= kStages; ++s) {
+    const double per = s < kStages ? double(sms) * kLayers : double(sms);
+    std::printf(" %s %.2f/%.2f", names[s], ahead[s] / per, last[s] / per);
   }
   std::printf("\n");
 }
