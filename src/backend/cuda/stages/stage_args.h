@@ -29,7 +29,7 @@ struct SArgs {
   float eps = 0, scale = 0;
   int n_layers = 0, batch = 0, hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, splits = 0, vocab = 0;
   int experts = 0;
-  int mma = 0;  // NVFP4 products on tensor cores where they fit (stage_mma.cuh; KESTREL_STAGE_MMA, an open A/B)
+  int mma = 0;  // NVFP4 products on tensor cores where they fit (stage_mma.cuh): from two tokens on
 
   // The batch: tokens and positions (the decoder's), and the stages' buffers.
   const int32_t* tokens = nullptr;

@@ -15,7 +15,6 @@
 #include "backend/cuda/stages/stage_mma.cuh"
 #include "backend/cuda/stages/stage_moe.cuh"
 #include "backend/cuda/stages/stage_rows.cuh"
-#include "common/env.h"
 #include "common/error.h"
 
 namespace kestrel::cuda {
@@ -281,13 +280,6 @@ StageStep::StageStep(const DeviceModel& model, Decoder& kv, int batch) : d_(std:
   stages_.push_back(Stage::Head);
   a.barriers = int(stages_.size()) - 1;
 
-  // Shared memory: the normalized rows, then the larger of the attention's and the route's scratch.
-  a.mma = env_int("KESTREL_STAGE_MMA", 0) != 0 ? 1 : 0;
-  a.xn_floats = uint32_t(Bs * H * (a.mma ? 2 : 1));
-  const size_t scratch = std::max({size_t(stage_attention_floats(int(G), int(hd))),
-                                   size_t(stage_route_floats(Bt, int(std::max<int64_t>(c.num_experts, 1)))),
-                                   a.mma ? size_t(kStageMmaRedFloats) : size_t(0)});
-  d_->smem = (size_t(a.xn_floats) + scratch) * 4 + 16;
   auto pick = [&](auto bt) {
     constexpr int R = decltype(bt)::value;
     d_->kernel = kv.kv_type() == KvType::BF16 ? stage_step_kernel<R, __nv_bfloat16> : stage_step_kernel<R, float>;
@@ -296,6 +288,29 @@ StageStep::StageStep(const DeviceModel& model, Decoder& kv, int batch) : d_(std:
   else if (Bt == 2) pick(std::integral_constant<int, 2>{});
   else if (Bt == 4) pick(std::integral_constant<int, 4>{});
   else pick(std::integral_constant<int, 8>{});
+  // Shared memory: the normalized rows (and, with the tensor-core products, the same rows as
+  // fragment rows), then the largest of the attention's, the route's and the tile sums' scratch.
+  auto smem_bytes = [&](bool mma) {
+    const size_t xn = Bs * size_t(H) * (mma ? 2 : 1);
+    const size_t scratch = std::max({size_t(stage_attention_floats(int(G), int(hd))),
+                                     size_t(stage_route_floats(Bt, int(std::max<int64_t>(c.num_experts, 1)))),
+                                     mma ? size_t(kStageMmaRedFloats) : size_t(0)});
+    return (xn + scratch) * 4 + 16;
+  };
+  // NVFP4 products on tensor cores from two tokens on, where their fragment rows fit beside the
+  // floats (docs/PERF.md v39, H100: 7.26 / 10.4 / 17.3 ms at 2 / 4 / 8 tokens against the CUDA-core
+  // rows' 7.99 / 27.7 / 82.1; at one token the rows are faster, 4.71 against 5.61).
+  cudaFuncAttributes attr{};
+  KESTREL_CUDA_CHECK(cudaFuncGetAttributes(&attr, d_->kernel));
+  int dev = 0, optin = 0;
+  KESTREL_CUDA_CHECK(cudaGetDevice(&dev));
+  KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  a.mma = batch >= 2 && smem_bytes(true) + attr.sharedSizeBytes <= size_t(optin) ? 1 : 0;
+  a.xn_floats = uint32_t(Bs * size_t(H) * (a.mma ? 2 : 1));
+  d_->smem = smem_bytes(a.mma != 0);
+  if (d_->smem + attr.sharedSizeBytes > size_t(optin))
+    fail("stage step: ", batch, " sequences of ", H, " hidden values need ", d_->smem + attr.sharedSizeBytes,
+         " bytes of shared memory per block, more than the GPU's ", optin);
   KESTREL_CUDA_CHECK(cudaFuncSetAttribute(d_->kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(d_->smem)));
   int per_sm = 0;
   KESTREL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, d_->kernel, kStageThreads, d_->smem));
