@@ -31,7 +31,7 @@
 //   tworings   two rings, one for the fixed weights (5 pages) and one for the routed experts' (8):
 //              the producer never waits on one while the other has room, so the next layers'
 //              fixed weights stream while a route is pending, and the experts' the moment it is
-//              known (the ring's in-order copying is what held `ring` back, v37). Not yet run.
+//              known (the ring's in-order copying is what held `ring` back, v37).
 //   math1/8    tworings whose consumers do a product stage's arithmetic on the pages: every
 //              16-byte unit as 32 NVFP4 weights dotted with 1 or 8 activation rows in shared
 //              memory (can the consumers keep up with the stream at batch 1 and 8?)
@@ -48,7 +48,9 @@
 // 2.495 ms. On an H200 (4.28 TB/s, floor 0.532 ms, v37): barriers 0.398 ms (1.18 us each), stream
 // 0.646, read 1.274 (2.39x), l2 1.400, smem 1.804, regs 1.247, ring 1.215 (2.28x). On an H100
 // (3.04 TB/s, floor 0.748 ms): barriers 0.507, stream 0.813, read 1.498, regs 1.480, ring 1.577,
-// ringstream 0.786 (1.05x), ringbig 1.508.
+// ringstream 0.786 (1.05x), ringbig 1.508. The same H100 later (docs/PERF.md v39, floor 0.752):
+// tworings 1.618 (2.15x: its pages issued ~20 us ahead, yet 1.5 us to read after each barrier),
+// math1 5.551, math8 37.07, mma1 2.224, mma8 2.266.
 #include <cuda_runtime.h>
 
 #include <algorithm>
