@@ -2,8 +2,9 @@
 // computed as slot_mma.cuh computes them for the launched kernels (mma.sync m16n8k16 on the codes
 // dequantized to FP16, the activations as FP16 hi + lo fragment rows), so that a warp's 16-row
 // tile serves all B <= 8 tokens at the cost of one: lane (g, j) passes token g's fragment row and
-// column n of the product is token n. On CUDA cores every token costs its own FMAs: 8 tokens 80 ms
-// a step where 1 takes 4 (docs/PERF.md v39).
+// column n of the product is token n. On CUDA cores every token costs its own FMAs (8 tokens 82 ms
+// a step on an H100 where 1 takes 4.7; on tensor cores 17.3, docs/PERF.md v39); at one token the
+// CUDA-core rows stay faster, so the stage step takes these from two tokens on.
 //
 // Inputs as fragment rows: the normalized rows in shared memory (stage_norm writes them beside
 // the floats), attention's output in global memory (the combine writes them for o), the experts'
