@@ -94,12 +94,12 @@ struct Lab {
   uint32_t page_bytes;  // ring modes
   int pages;
   // When set (the two-ring modes): per block and stage, the global timer before the consumers'
-  // barrier, after it, when warp 0 has read the stage's pages, and when the producer issued the
-  // stage's first and last page.
+  // barrier, after it, when warp 0 has read the stage's pages, when the producer issued the
+  // stage's first and last page, and (tworings) how long thread 0 waited for its pages to land.
   unsigned long long* trace;
 };
 
-constexpr int kTraceWords = 5;  // per block and stage (Lab::trace)
+constexpr int kTraceWords = 6;  // per block and stage (Lab::trace)
 
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
@@ -484,6 +484,7 @@ __device__ void two_rings_consume(const Lab& L, const int* route, uint64_t* full
   for (int b = 0; b < (B > 0 ? B : 1); ++b) facc[b] = 0.0f;
   const kestrel::cuda::NvRows mat[1] = {{nullptr, nullptr, 1.0f, 0}};
   int taken[2] = {0, 0};
+  unsigned long long landed_wait = 0;
   for (int g = 0; g <= G; ++g) {
     unsigned long long* tr = L.trace && threadIdx.x == 0 ? L.trace + (size_t(blockIdx.x) * (G + 1) + g) * kTraceWords : nullptr;
     if (tr) tr[0] = global_ns();
@@ -497,6 +498,11 @@ __device__ void two_rings_consume(const Lab& L, const int* route, uint64_t* full
       const int page = base + taken[r] % pages;
       uint8_t* pg = smem + size_t(page) * kPageBytes;
       if constexpr (B == 0) {
+        if (tr) {  // thread 0's time waiting for the page to land, apart from reading it
+          const unsigned long long t = global_ns();
+          wait_slot(&full[page], uint32_t(taken[r] / pages) & 1);
+          landed_wait += global_ns() - t;
+        }
         read_page(pg, n, &full[page], uint32_t(taken[r] / pages) & 1, &empty[page], acc);
       } else if constexpr (kMma) {
         wait_slot(&full[page], uint32_t(taken[r] / pages) & 1);
@@ -535,7 +541,7 @@ __device__ void two_rings_consume(const Lab& L, const int* route, uint64_t* full
       }
       ++taken[r];
     });
-    if (tr) tr[2] = global_ns();
+    if (tr) tr[2] = global_ns(), tr[5] = landed_wait, landed_wait = 0;
   }
   float f = 0.0f;
   for (int b = 0; b < (B > 0 ? B : 1); ++b) f += facc[b];
@@ -602,18 +608,25 @@ void print_trace(Lab L, int sms, int mode, int step) {
   CHECK(cudaMemcpy(t.data(), d, n * 8, cudaMemcpyDeviceToHost));
   CHECK(cudaFree(d));
   const char* names[kStages + 1] = {"q/k/v", "attention", "combine", "o", "router", "gate/up", "down", "head"};
-  double wait[kStages + 1] = {}, read[kStages + 1] = {}, ahead[kStages + 1] = {}, last[kStages + 1] = {};
+  double wait[kStages + 1] = {}, read[kStages + 1] = {}, ahead[kStages + 1] = {}, last[kStages + 1] = {},
+         landed[kStages + 1] = {};
   for (int b = 0; b < sms; ++b)
     for (int g = 1; g <= G; ++g) {
       const unsigned long long* x = t.data() + (size_t(b) * (G + 1) + g) * kTraceWords;
       const int s = g < G ? g % kStages : kStages;
       wait[s] += double(x[1] - x[0]) / 1e3, read[s] += double(x[2] - x[1]) / 1e3;
       if (x[3]) ahead[s] += (double(x[1]) - double(x[3])) / 1e3, last[s] += (double(x[1]) - double(x[4])) / 1e3;
+      landed[s] += double(x[5]) / 1e3;
     }
   std::printf("    per stage, us (barrier wait / reading pages):");
   for (int s = 0; s <= kStages; ++s) {
     const double per = s < kStages ? double(sms) * kLayers : double(sms);
     std::printf(" %s %.2f/%.2f", names[s], wait[s] / per, read[s] / per);
+  }
+  if (mode == kTwoRings) {
+    std::printf("\n    of the reading, waiting for the pages to land (thread 0), us:");
+    for (int s = 0; s <= kStages; ++s)
+      std::printf(" %s %.2f", names[s], landed[s] / (s < kStages ? double(sms) * kLayers : double(sms)));
   }
   std::printf("\n    first / last page issued this long before the stage's barrier passed, us:");
   for (int s = 0; s <= kStages; ++s) {
