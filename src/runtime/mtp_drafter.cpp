@@ -14,8 +14,10 @@ void check_mtp_drafting(const Model& model, const Layout& layout) {
   if (layout.split()) fail("--speculative mtp: not built yet for a split model (", layout.str(), "); run it without --tp/--ep");
 }
 
-MtpDrafter::MtpDrafter(cpu::Forward& fwd, const ModelConfig& c, int64_t capacity)
-    : fwd_(fwd), hidden_size_(c.hidden_size), vocab_(c.vocab_size), cache_(fwd.make_mtp_cache(capacity)) {}
+MtpDrafter::MtpDrafter(cpu::Forward& fwd, const ModelConfig& c, int64_t capacity, int64_t chunk)
+    : fwd_(fwd), hidden_size_(c.hidden_size), vocab_(c.vocab_size), chunk_(chunk), cache_(fwd.make_mtp_cache(capacity)) {
+  if (chunk < 1) fail("internal: an MTP catch-up chunk of ", chunk, " positions");
+}
 
 void MtpDrafter::ran(std::span<const int32_t> tokens, const float* hidden) {
   tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
@@ -45,13 +47,17 @@ std::vector<int32_t> MtpDrafter::draft(int32_t next, int k) {
   // with `next`.
   std::vector<int32_t> after(tokens_.begin() + 1, tokens_.end());
   after.push_back(next);
-  out_.resize(size_t(T * H));
-  fwd_.run_mtp(after, hidden_.data(), cache_, nullptr, 0, out_.data());
+  out_.resize(size_t(std::min(T, chunk_) * H));
+  int64_t last = 0;  // rows of the last chunk
+  for (int64_t p = 0; p < T; p += chunk_) {
+    last = std::min(chunk_, T - p);
+    fwd_.run_mtp({after.data() + p, size_t(last)}, hidden_.data() + p * H, cache_, nullptr, 0, out_.data());
+  }
   tokens_.clear();
   hidden_.clear();
   const int64_t held = cache_.length();
 
-  std::vector<float> h(out_.end() - H, out_.end()), chained(static_cast<size_t>(H));
+  std::vector<float> h(out_.begin() + (last - 1) * H, out_.begin() + last * H), chained(static_cast<size_t>(H));
   std::vector<int32_t> drafts;
   logits_.resize(size_t(vocab_));
   while (true) {

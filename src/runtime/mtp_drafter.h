@@ -31,8 +31,11 @@ void check_mtp_drafting(const Model& model, const Layout& layout);
 
 class MtpDrafter {
  public:
-  // `capacity`: the most positions of the sequence (the target cache's).
-  MtpDrafter(cpu::Forward& fwd, const ModelConfig& c, int64_t capacity);
+  // `capacity`: the most positions of the sequence (the target cache's). A draft catches the
+  // MTP layer up with the target `chunk` positions at a time, so a long prompt's first draft
+  // needs the scratch of `chunk` positions, not of the whole prompt.
+  static constexpr int64_t kCatchUpChunk = 256;
+  MtpDrafter(cpu::Forward& fwd, const ModelConfig& c, int64_t capacity, int64_t chunk = kCatchUpChunk);
 
   // The target ran `tokens` at its next positions, with final normed hidden states `hidden`
   // [tokens, hidden] (Forward::run's `hidden`).
@@ -51,7 +54,7 @@ class MtpDrafter {
 
  private:
   cpu::Forward& fwd_;
-  int64_t hidden_size_, vocab_;
+  int64_t hidden_size_, vocab_, chunk_;
   KvCache cache_;
   std::vector<int32_t> tokens_;  // the target's tokens at positions [cache_.length(), its length)
   std::vector<float> hidden_;    // its hidden states there, a row each

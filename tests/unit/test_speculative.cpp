@@ -397,6 +397,31 @@ TEST_P(MtpReply, CacheAfterChecksEqualsOneFromScratch) {
   EXPECT_EQ(fresh.draft(next, 3), drafts);
 }
 
+// A first draft after a prompt longer than the catch-up chunk runs the MTP layer chunk by chunk:
+// the same cache and drafts as one pass over the whole prompt.
+TEST_P(MtpReply, CatchUpInChunksEqualsOnePass) {
+  const MtpModel m = load_mtp_model(GetParam());
+  const Model* model = m.model.get();
+  const ModelConfig& c = model->config;
+  const int64_t H = c.hidden_size, V = c.vocab_size, P = 45, capacity = 64;
+  ThreadPool pool(2);
+  cpu::Forward fwd(*model, pool);
+  std::mt19937 rng(5);
+  std::vector<int32_t> prompt;
+  for (int64_t i = 0; i < P; ++i) prompt.push_back(int32_t(rng() % V));
+  KvCache target = fwd.make_cache(capacity);
+  std::vector<float> hidden(size_t(P * H));
+  fwd.run(prompt, target, nullptr, hidden.data());
+  const int32_t next = int32_t(rng() % V);
+  MtpDrafter chunked(fwd, c, capacity, 8), whole(fwd, c, capacity, P);
+  chunked.ran(prompt, hidden.data());
+  whole.ran(prompt, hidden.data());
+  const std::vector<int32_t> got = chunked.draft(next, 3), want = whole.draft(next, 3);
+  ASSERT_EQ(chunked.cache().length(), P);
+  expect_same_cache(chunked.cache(), whole.cache(), P);
+  EXPECT_EQ(got, want);
+}
+
 // Refusals, each naming the flag: a model without an MTP layer (its config), a split model, the
 // GPU; ngram and none need no MTP layer.
 TEST(MtpSpeculation, RefusalsNameTheProblem) {
