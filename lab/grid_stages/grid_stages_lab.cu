@@ -468,6 +468,8 @@ __device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
 // unit, constant) dotted with B activation rows of kMathX floats in shared memory, so the
 // dequantization and FMAs at batch 1 and 8 are timed against the stream.
 constexpr int kMathX = 512;
+// The two-ring kernel's dynamic shared memory: both rings' pages, then 8 activation rows.
+constexpr int kTwoRingsSmem = (kFixedPages + kRoutedPages) * kPageBytes + 8 * kMathX * 4;
 template <int B, bool kMma = false>
 __device__ void two_rings_consume(const Lab& L, const int* route, uint64_t* full, uint64_t* empty,
                                   volatile int& routed, unsigned passed) {
@@ -601,8 +603,7 @@ void print_trace(Lab L, int sms, int mode, int step) {
   CHECK(cudaMemset(d, 0, n * 8));
   L.mode = mode, L.step = step, L.trace = d;
   void* args[] = {&L};
-  const int smem_bytes = (kFixedPages + kRoutedPages) * kPageBytes + 8 * kMathX * 4;
-  CHECK(cudaLaunchCooperativeKernel(two_rings_kernel, dim3(sms), dim3((kConsumerWarps + 1) * 32), args, smem_bytes, 0));
+  CHECK(cudaLaunchCooperativeKernel(two_rings_kernel, dim3(sms), dim3((kConsumerWarps + 1) * 32), args, kTwoRingsSmem, 0));
   CHECK(cudaDeviceSynchronize());
   std::vector<unsigned long long> t(n);
   CHECK(cudaMemcpy(t.data(), d, n * 8, cudaMemcpyDeviceToHost));
@@ -706,8 +707,7 @@ int main(int argc, char** argv) {
               qkv / MB, kv / MB, o / MB, router / MB, gate_up * kTopK / MB, down * kTopK / MB, kLayers * kStages);
   CHECK(cudaFuncSetAttribute(stages_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(2 * kSlotBytes)));
   CHECK(cudaFuncSetAttribute(ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kPages * kPageBytes)));
-  const int two_smem = (kFixedPages + kRoutedPages) * kPageBytes + 8 * kMathX * 4;  // as print_trace
-  CHECK(cudaFuncSetAttribute(two_rings_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, two_smem));
+  CHECK(cudaFuncSetAttribute(two_rings_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTwoRingsSmem));
   const char* names[] = {"barriers", "stream", "read", "l2", "smem", "regs", "ring", "ringstream", "ringbig", "tworings",
                          "math1", "math8", "mma1", "mma8"};
   for (int mode : {kBarriers, kStream, kRead, kRingStream, kTwoRings, kMath1, kMath8, kMma1, kMma8}) {
@@ -720,7 +720,7 @@ int main(int argc, char** argv) {
       L.pages = mode == kRingBig ? 6 : kPages, L.page_bytes = mode == kRingBig ? 2 * kPageBytes : kPageBytes;
       if (mode >= kTwoRings)
         CHECK(cudaLaunchCooperativeKernel(two_rings_kernel, dim3(sms), dim3((kConsumerWarps + 1) * 32), args,
-                                          two_smem, 0));
+                                          kTwoRingsSmem, 0));
       else if (mode >= kRing)  // 16 warps: 15 consumers and the producer
         CHECK(cudaLaunchCooperativeKernel(ring_kernel, dim3(sms), dim3((kConsumerWarps + 1) * 32), args, kPages * kPageBytes, 0));
       else

@@ -75,30 +75,6 @@ __global__ void __launch_bounds__(kWarps * 32) linear_kernel(Jobs jobs, const fl
   }
 }
 
-// Writes a tile's accumulators (G groups of 8 tokens; `count` tokens valid from y's first row)
-// times the tile scale k, plus the bias, into y (added to what is there when accumulating).
-template <int G>
-__device__ __forceinline__ void store_tile(const DLinear& W, float* y, int r0, int lane, int count,
-                                           const float (&acc)[G][4], int accumulate) {
-  const int g = lane >> 2, j = lane & 3;
-  const float k = mma_unscale(W);
-  #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = r0 + g + 8 * h;
-    if (row >= W.out) continue;
-    const float bias = W.bias ? W.bias[row] : 0.0f;
-    #pragma unroll
-    for (int q = 0; q < G; ++q)
-      #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int b = 8 * q + 2 * j + e;
-        if (b >= count) continue;
-        float* p = y + size_t(b) * W.out + row;
-        *p = (accumulate ? *p : 0.0f) + acc[q][2 * h + e] * k + bias;
-      }
-  }
-}
-
 // Tensor cores (mma_tiles.cuh), every job NVFP4 or BF16 with K % 64 == 0, up to 64 tokens (nb)
 // per launch. A block holds kWarps / ks tiles of 16 rows; the ks warps of a tile take its chunks
 // in turn and their accumulators are added in warp order. Each chunk of a tile is dequantized
@@ -162,7 +138,7 @@ __global__ void __launch_bounds__(NW * 32, 2) mma_linear_wide_kernel(Jobs jobs, 
         for (int i = 0; i < 4; ++i) acc[q][i] += red[w][4 * q + i][lane];
   }
   if (r0 >= W.out) return;
-  store_tile<G>(W, jobs.j[jb].y + size_t(t0) * W.out, r0, lane, nb, acc, accumulate);
+  store_tile<G>(W, jobs.j[jb].y + size_t(t0) * W.out, W.out, r0, lane, nb, acc, accumulate);
 }
 
 // One group of tokens (up to 8) given as fragment rows (slot_mma.cuh; made by the kernel before
@@ -203,7 +179,7 @@ __global__ void __launch_bounds__(NW * 32, NW == 16 ? 2 : 3) mma_linear_frag_ker
       for (int i = 0; i < 4; ++i) acc[0][i] += red[w][i][lane];
   }
   if (r0 >= W.out) return;
-  store_tile<1>(W, jobs.j[jb].y, r0, lane, nb, acc, accumulate);
+  store_tile<1>(W, jobs.j[jb].y, W.out, r0, lane, nb, acc, accumulate);
 }
 
 // 8..64 tokens, tiled: a block holds kWarps tiles of 16 rows (128 rows) and G groups of 8 tokens,
@@ -300,7 +276,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) mma_linear_tiled_kernel(Jobs j
   }
   float* const y = jobs.j[jb].y + size_t(t0) * W.out;
   if (parts == 1) {
-    if (r0 < W.out) store_tile<G>(W, y, r0, lane, nb - t0, acc, accumulate);
+    if (r0 < W.out) store_tile<G>(W, y, W.out, r0, lane, nb - t0, acc, accumulate);
     return;
   }
   // The loop ended with a barrier, so xs is free for the partial sums. Part p stores the tiles of
@@ -322,7 +298,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) mma_linear_tiled_kernel(Jobs j
         #pragma unroll
         for (int i = 0; i < 4; ++i) sum[q][i] += rk[(warp * 4 * G + 4 * q + i) * 32 + lane];
     }
-    store_tile<G>(W, y, r0, lane, nb - t0, sum, accumulate);
+    store_tile<G>(W, y, W.out, r0, lane, nb - t0, sum, accumulate);
   }
   cluster_sync();
 }

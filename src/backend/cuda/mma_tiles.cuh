@@ -212,6 +212,31 @@ __host__ __device__ inline float mma_unscale(const DLinear& W) {
   return W.format == DFormat::NVFP4 ? kMmaUnscale * W.scale2 : kMmaUnscaleDense;
 }
 
+// Writes a tile's accumulators (G groups of 8 tokens; `count` tokens valid from y's first row, a
+// row of ldy floats each) times the tile scale k, plus the bias, into y (added to what is there
+// when accumulating).
+template <int G>
+__device__ __forceinline__ void store_tile(const DLinear& W, float* y, int ldy, int r0, int lane, int count,
+                                           const float (&acc)[G][4], int accumulate) {
+  const int g = lane >> 2, j = lane & 3;
+  const float k = mma_unscale(W);
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = r0 + g + 8 * h;
+    if (row >= W.out) continue;
+    const float bias = W.bias ? W.bias[row] : 0.0f;
+    #pragma unroll
+    for (int q = 0; q < G; ++q)
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int b = 8 * q + 2 * j + e;
+        if (b >= count) continue;
+        float* p = y + size_t(b) * ldy + row;
+        *p = (accumulate ? *p : 0.0f) + acc[q][2 * h + e] * k + bias;
+      }
+  }
+}
+
 // Warps that split one 16-row tile's chunks: at least 4 chunks each, at most `most` warps.
 __host__ __device__ inline int mma_warps_per_tile(int K, int most = 8) {
   const int chunks = K / 64;

@@ -101,8 +101,7 @@ __device__ __noinline__ void stage_linear_mma(const StageMmaJobs& jobs, const ui
   const int K = jobs.w[0]->in, chunks = K / kFragChunk;
   int g0, n;
   stage_tile_run(T, g0, n);
-  const int ks = stage_mma_split(n, chunks), slots = kStageWarps / ks, w = stage_warp();
-  const int g = stage_lane() >> 2, j = stage_lane() & 3;
+  const int ks = stage_mma_split(n, chunks), slots = kStageWarps / ks, w = stage_warp(), g = stage_lane() >> 2;
   const uint32_t* xr = xf + size_t(min(g, batch - 1)) * K;
   for (int base = 0; base < n; base += slots) {
     const bool live = base + w / ks < n;
@@ -116,21 +115,7 @@ __device__ __noinline__ void stage_linear_mma(const StageMmaJobs& jobs, const ui
       stage_tile_mma<1, kWritten>(one, ra, rb, xr, w % ks, ks, chunks, acc);
     }
     stage_tile_sum<4>(acc[0], red, ks);
-    if (!live || w % ks != 0) continue;
-    const float unscale = mma_unscale(W);
-    #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = r0 + g + 8 * h;
-      if (row >= W.out) continue;
-      const float bias = W.bias ? W.bias[row] : 0.0f;
-      #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int b = 2 * j + e;
-        if (b >= batch) continue;
-        float* p = jobs.y[k] + size_t(b) * ldy + row;
-        *p = (accumulate ? *p : 0.0f) + acc[0][2 * h + e] * unscale + bias;
-      }
-    }
+    if (live && w % ks == 0) store_tile<1>(W, jobs.y[k], ldy, r0, stage_lane(), batch, acc, accumulate);
   }
 }
 
