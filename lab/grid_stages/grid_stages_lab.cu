@@ -95,11 +95,12 @@ struct Lab {
   int pages;
   // When set (the two-ring modes): per block and stage, the global timer before the consumers'
   // barrier, after it, when warp 0 has read the stage's pages, when the producer issued the
-  // stage's first and last page, and (tworings) how long thread 0 waited for its pages to land.
+  // stage's first and last page, and (tworings) how long thread 0 waited for its pages to land
+  // and when it had the stage's pieces (their addresses) after the barrier.
   unsigned long long* trace;
 };
 
-constexpr int kTraceWords = 6;  // per block and stage (Lab::trace)
+constexpr int kTraceWords = 7;  // per block and stage (Lab::trace)
 
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
@@ -329,12 +330,20 @@ __device__ int stage_pieces(const Lab& L, const int* route, int g, Piece out[2])
 
 // Calls f(p, n) for the block's chunks of stage g (g == kLayers * kStages: the LM head), in the
 // order the producer copies them and the consumers read them.
+// The pieces' loop is unrolled so that ps stays in registers (a dynamically indexed array goes
+// to the stack: local memory, an L2 round trip when L1 does not hold it).
+template <class F>
+__device__ __forceinline__ void for_pieces(const Piece (&ps)[2], int n, uint32_t page_bytes, F&& f) {
+#pragma unroll
+  for (int k = 0; k < 2; ++k)
+    if (k < n)
+      for (uint32_t at = 0; at < ps[k].n; at += page_bytes) f(ps[k].p + at, min(page_bytes, ps[k].n - at));
+}
 template <class F>
 __device__ __forceinline__ void for_chunks(const Lab& L, const int* route, int g, F&& f) {
   Piece ps[2];
   const int n = stage_pieces(L, route, g, ps);
-  for (int k = 0; k < n; ++k)
-    for (uint32_t at = 0; at < ps[k].n; at += L.page_bytes) f(ps[k].p + at, min(L.page_bytes, ps[k].n - at));
+  for_pieces(ps, n, L.page_bytes, f);
 }
 
 // A ring's pages: full (the producer's copy landed, count 1 + bytes) and empty (each consumer
@@ -485,7 +494,7 @@ __device__ void two_rings_consume(const Lab& L, const int* route, uint64_t* full
   float facc[B > 0 ? B : 1];
   for (int b = 0; b < (B > 0 ? B : 1); ++b) facc[b] = 0.0f;
   const kestrel::cuda::NvRows mat[1] = {{nullptr, nullptr, 1.0f, 0}};
-  int taken[2] = {0, 0};
+  int taken_fixed = 0, taken_routed = 0;  // scalars, not an array indexed by the ring (the stack)
   unsigned long long landed_wait = 0;
   for (int g = 0; g <= G; ++g) {
     unsigned long long* tr = L.trace && threadIdx.x == 0 ? L.trace + (size_t(blockIdx.x) * (G + 1) + g) * kTraceWords : nullptr;
@@ -496,18 +505,22 @@ __device__ void two_rings_consume(const Lab& L, const int* route, uint64_t* full
     if (kind == kGateUp && threadIdx.x == 0) routed = g;
     const int r = routed_kind(kind) ? 1 : 0;
     const int pages = r ? kRoutedPages : kFixedPages, base = r ? kFixedPages : 0;
-    for_chunks(L, route, g, [&](const uint8_t*, uint32_t n) {
-      const int page = base + taken[r] % pages;
+    Piece ps[2];
+    const int np = stage_pieces(L, route, g, ps);
+    if (tr) tr[6] = global_ns();
+    for_pieces(ps, np, L.page_bytes, [&](const uint8_t*, uint32_t n) {
+      const int taken = r ? taken_routed : taken_fixed;
+      const int page = base + taken % pages;
       uint8_t* pg = smem + size_t(page) * kPageBytes;
       if constexpr (B == 0) {
         if (tr) {  // thread 0's time waiting for the page to land, apart from reading it
           const unsigned long long t = global_ns();
-          wait_slot(&full[page], uint32_t(taken[r] / pages) & 1);
+          wait_slot(&full[page], uint32_t(taken / pages) & 1);
           landed_wait += global_ns() - t;
         }
-        read_page(pg, n, &full[page], uint32_t(taken[r] / pages) & 1, &empty[page], acc);
+        read_page(pg, n, &full[page], uint32_t(taken / pages) & 1, &empty[page], acc);
       } else if constexpr (kMma) {
-        wait_slot(&full[page], uint32_t(taken[r] / pages) & 1);
+        wait_slot(&full[page], uint32_t(taken / pages) & 1);
         const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31, g = lane >> 2, j = lane & 3;
         const uint4* q = reinterpret_cast<const uint4*>(pg);
         const uint32_t* xf = reinterpret_cast<const uint32_t*>(x) + (B == 8 ? g : 0) * kMathX;
@@ -527,7 +540,7 @@ __device__ void two_rings_consume(const Lab& L, const int* route, uint64_t* full
         if ((threadIdx.x & 31) == 0)
           asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(&empty[page])) : "memory");
       } else {
-        wait_slot(&full[page], uint32_t(taken[r] / pages) & 1);
+        wait_slot(&full[page], uint32_t(taken / pages) & 1);
         const uint4* q = reinterpret_cast<const uint4*>(pg);
         for (uint32_t u = threadIdx.x; u < n / 16; u += kConsumerWarps * 32) {
           const uint4 c[1] = {q[u]};
@@ -541,7 +554,8 @@ __device__ void two_rings_consume(const Lab& L, const int* route, uint64_t* full
         if ((threadIdx.x & 31) == 0)
           asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(&empty[page])) : "memory");
       }
-      ++taken[r];
+      if (r) ++taken_routed;
+      else ++taken_fixed;
     });
     if (tr) tr[2] = global_ns(), tr[5] = landed_wait, landed_wait = 0;
   }
@@ -610,7 +624,7 @@ void print_trace(Lab L, int sms, int mode, int step) {
   CHECK(cudaFree(d));
   const char* names[kStages + 1] = {"q/k/v", "attention", "combine", "o", "router", "gate/up", "down", "head"};
   double wait[kStages + 1] = {}, read[kStages + 1] = {}, ahead[kStages + 1] = {}, last[kStages + 1] = {},
-         landed[kStages + 1] = {};
+         landed[kStages + 1] = {}, plan[kStages + 1] = {};
   for (int b = 0; b < sms; ++b)
     for (int g = 1; g <= G; ++g) {
       const unsigned long long* x = t.data() + (size_t(b) * (G + 1) + g) * kTraceWords;
@@ -618,6 +632,7 @@ void print_trace(Lab L, int sms, int mode, int step) {
       wait[s] += double(x[1] - x[0]) / 1e3, read[s] += double(x[2] - x[1]) / 1e3;
       if (x[3]) ahead[s] += (double(x[1]) - double(x[3])) / 1e3, last[s] += (double(x[1]) - double(x[4])) / 1e3;
       landed[s] += double(x[5]) / 1e3;
+      if (x[6]) plan[s] += double(x[6] - x[1]) / 1e3;
     }
   std::printf("    per stage, us (barrier wait / reading pages):");
   for (int s = 0; s <= kStages; ++s) {
@@ -625,9 +640,11 @@ void print_trace(Lab L, int sms, int mode, int step) {
     std::printf(" %s %.2f/%.2f", names[s], wait[s] / per, read[s] / per);
   }
   if (mode == kTwoRings) {
-    std::printf("\n    of the reading, waiting for the pages to land (thread 0), us:");
-    for (int s = 0; s <= kStages; ++s)
-      std::printf(" %s %.2f", names[s], landed[s] / (s < kStages ? double(sms) * kLayers : double(sms)));
+    std::printf("\n    of the reading, the pieces' addresses / waiting for the pages to land (thread 0), us:");
+    for (int s = 0; s <= kStages; ++s) {
+      const double per = s < kStages ? double(sms) * kLayers : double(sms);
+      std::printf(" %s %.2f/%.2f", names[s], plan[s] / per, landed[s] / per);
+    }
   }
   std::printf("\n    first / last page issued this long before the stage's barrier passed, us:");
   for (int s = 0; s <= kStages; ++s) {
