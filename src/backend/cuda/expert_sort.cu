@@ -69,11 +69,25 @@ __global__ void place_kernel(const int32_t* __restrict__ experts, int pairs, con
 }
 
 __global__ void gather_kernel(const __nv_bfloat16* __restrict__ x, int width, const int32_t* __restrict__ row_pair,
-                              int top_k, __nv_bfloat16* __restrict__ xs) {
+                              int top_k, bool mma_order, __nv_bfloat16* __restrict__ xs) {
   const int r = blockIdx.x, t = row_pair[r] / top_k;
   const __nv_bfloat16* src = x + size_t(t) * size_t(width);
   __nv_bfloat16* dst = xs + size_t(r) * size_t(width);
-  if (width % 8 == 0) {  // 16-byte copies (rows of a multiple of 8 values stay 16-byte aligned)
+  if (mma_order) {  // one 16-value block per thread, 4x4 transposed (width % 16 == 0: 32-byte aligned rows)
+    for (int b = threadIdx.x; b < width / 16; b += blockDim.x) {
+      const uint4* in = reinterpret_cast<const uint4*>(src) + 2 * b;
+      __align__(16) uint16_t v[16], p[16];
+      reinterpret_cast<uint4*>(v)[0] = in[0];
+      reinterpret_cast<uint4*>(v)[1] = in[1];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) p[4 * i + j] = v[4 * j + i];
+      uint4* out = reinterpret_cast<uint4*>(dst) + 2 * b;
+      out[0] = reinterpret_cast<const uint4*>(p)[0];
+      out[1] = reinterpret_cast<const uint4*>(p)[1];
+    }
+  } else if (width % 8 == 0) {  // 16-byte copies (rows of a multiple of 8 values stay 16-byte aligned)
     for (int c = threadIdx.x; c < width / 8; c += blockDim.x)
       reinterpret_cast<uint4*>(dst)[c] = reinterpret_cast<const uint4*>(src)[c];
   } else {
@@ -117,9 +131,10 @@ void launch_expert_sort(const int32_t* experts, int pairs, int num_experts, cons
 }
 
 void launch_gather_rows(const __nv_bfloat16* x, int width, const int32_t* row_pair, int pairs, int top_k,
-                        __nv_bfloat16* xs, cudaStream_t s) {
+                        bool mma_order, __nv_bfloat16* xs, cudaStream_t s) {
   if (pairs <= 0) return;
-  gather_kernel<<<unsigned(pairs), 128, 0, s>>>(x, width, row_pair, top_k, xs);
+  if (mma_order && width % 16 != 0) fail("internal: rows of ", width, " values gathered in the MMA order");
+  gather_kernel<<<unsigned(pairs), 128, 0, s>>>(x, width, row_pair, top_k, mma_order, xs);
   KESTREL_CUDA_LAUNCHED();
 }
 

@@ -27,9 +27,10 @@ void launch_select_experts(const DRouter& r, const float* logits, int tokens, in
 // Counts per expert, then the stable order: one block per expert each time.
 void launch_expert_sort(const int32_t* experts, int pairs, int num_experts, const ExpertSort& out, cudaStream_t s);
 
-// xs[r] = x[token of row_pair[r]] for r < pairs (BF16 rows of `width`).
+// xs[r] = x[token of row_pair[r]] for r < pairs (BF16 rows of `width`); with mma_order, in the
+// grouped expert GEMM's order (moe_gemm.h: each 16-value block 4x4 transposed; width % 16 == 0).
 void launch_gather_rows(const __nv_bfloat16* x, int width, const int32_t* row_pair, int pairs, int top_k,
-                        __nv_bfloat16* xs, cudaStream_t s);
+                        bool mma_order, __nv_bfloat16* xs, cudaStream_t s);
 
 // residual[t] += sum over slots j in slot order of weights[t, j] * ys[pair_row[t * top_k + j]],
 // for t < tokens (float32 rows of `width`).

@@ -1,6 +1,6 @@
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
+#include <cstdint>
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/check.h"
@@ -22,9 +22,6 @@ namespace {
 
 // Rows of one attention launch: its split scratch grows with rows x splits.
 constexpr int kAttentionRows = 512;
-// The converted experts of one round: all of Qwen3-30B-A3B's 128 (1.2 GB in BF16) in one, 3 for
-// GLM-4.5-Air's.
-constexpr size_t kExpertScratchBytes = size_t(1536) << 20;
 
 bool is_bf16(const DLinear& w) { return w.format == DFormat::BF16; }
 int64_t elements(const DLinear& w) { return int64_t(w.out) * w.in; }
@@ -35,8 +32,13 @@ std::string GemmPrefill::unsupported(const DeviceModel& m) {
   const ModelConfig& c = m.config();
   if (c.is_mla()) return "multi-head latent attention";
   for (const DLayer& L : m.layers())
-    if (L.is_moe && (L.moe.local_experts != L.moe.router.experts || L.moe.expert_gate.bias))
-      return "experts split over ranks or with biases";
+    if (L.is_moe) {
+      if (L.moe.local_experts != L.moe.router.experts || L.moe.expert_gate.bias)
+        return "experts split over ranks or with biases";
+      // The grouped expert GEMM's (moe_gemm.h); the constructor checks every expert.
+      if (L.moe.expert_gate.format != DFormat::NVFP4) return "routed experts not in NVFP4";
+      if (L.moe.width % 32 != 0 || c.hidden_size % 32 != 0) return "expert widths not a multiple of 32";
+    }
   if (m.lm_head().out != c.vocab_size) return "a split vocabulary";
   return {};
 }
@@ -67,8 +69,8 @@ GemmPrefill::GemmPrefill(const DeviceModel& m, const Decoder& cache, int max_chu
   const size_t N = size_t(max_chunk), H = size_t(c.hidden_size), hd = size_t(c.head_dim);
   const size_t nq = size_t(c.num_heads), nkv = size_t(c.num_kv_heads);
   // The widest input of a dense product, the widest gated activation (pairs x width for the
-  // experts), the largest dense matrix that needs converting, and the experts' sizes.
-  size_t widest = std::max(H, nq * hd), act = 0, convert = 0, experts = 0, pairs = 0, per_expert = 0;
+  // experts), the largest dense matrix that needs converting, the most experts and pairs.
+  size_t widest = std::max(H, nq * hd), act = 0, convert = 0, experts = 0, pairs = 0;
   auto dense = [&](const DLinear& w) {
     if (!is_bf16(w)) convert = std::max(convert, size_t(elements(w)));
   };
@@ -78,7 +80,6 @@ GemmPrefill::GemmPrefill(const DeviceModel& m, const Decoder& cache, int max_chu
       for (const DLinear* w : {&L.gate, &L.up, &L.down}) dense(*w);
       act = std::max(act, N * size_t(L.gate.out));
       widest = std::max(widest, size_t(L.down.in));
-      gate_.emplace_back(), up_.emplace_back(), down_.emplace_back();
       continue;
     }
     const DMoe& e = L.moe;
@@ -90,23 +91,22 @@ GemmPrefill::GemmPrefill(const DeviceModel& m, const Decoder& cache, int max_chu
       for (const DLinear* w : {&e.shared_gate, &e.shared_up, &e.shared_down}) dense(*w);
       act = std::max(act, N * size_t(e.shared_gate.out));
     }
-    // Host copies of the experts' descriptors: the conversion jobs and GEMMs are built per layer.
+    // The grouped expert GEMM reads the layer's device arrays of descriptors (DMoe::gate, up,
+    // down) as its per-expert tables of pointers and scale2, built once at upload: every expert
+    // must be NVFP4 of the layer's shape, its codes 16-byte and its scales 4-byte aligned.
     std::vector<DLinear> g(E), u(E), d(E);
     KESTREL_CUDA_CHECK(cudaMemcpy(g.data(), e.gate, E * sizeof(DLinear), cudaMemcpyDeviceToHost));
     KESTREL_CUDA_CHECK(cudaMemcpy(u.data(), e.up, E * sizeof(DLinear), cudaMemcpyDeviceToHost));
     KESTREL_CUDA_CHECK(cudaMemcpy(d.data(), e.down, E * sizeof(DLinear), cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < E; ++i) {
-      size_t n = 0;
-      for (const DLinear* w : {&g[i], &u[i], &d[i]})
-        if (!is_bf16(*w)) n += size_t(elements(*w));
-      per_expert = std::max(per_expert, n);
-    }
-    gate_.push_back(std::move(g)), up_.push_back(std::move(u)), down_.push_back(std::move(d));
+    auto fits = [](const DLinear& w, int out, int in) {
+      return w.format == DFormat::NVFP4 && w.out == out && w.in == in && !w.bias &&
+             reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && reinterpret_cast<uintptr_t>(w.scales) % 4 == 0;
+    };
+    for (size_t i = 0; i < E; ++i)
+      if (!fits(g[i], e.width, int(H)) || !fits(u[i], e.width, int(H)) || !fits(d[i], int(H), e.width))
+        fail("internal: the GEMM prefill's expert GEMM does not take expert ", i, " (NVFP4 [", e.width, ", ", H,
+             "] gate and up, [", H, ", ", e.width, "] down, aligned)");
   }
-  if (per_expert > 0)
-    experts_per_round_ = int(std::clamp<size_t>(kExpertScratchBytes / 2 / per_expert, 1, std::max<size_t>(experts, 1)));
-  else
-    experts_per_round_ = int(std::max<size_t>(experts, 1));
   KESTREL_CUBLAS_CHECK(cublasCreate(&blas_));
   tokens_ = buffer<int32_t>(N);
   positions_ = buffer<int32_t>(N);
@@ -119,7 +119,7 @@ GemmPrefill::GemmPrefill(const DeviceModel& m, const Decoder& cache, int max_chu
   att_ = buffer<float>(N * nq * hd);
   h_ = buffer<float>(2 * act);
   act_ = buffer<__nv_bfloat16>(act);
-  w_ = buffer<__nv_bfloat16>(std::max(convert, size_t(experts_per_round_) * per_expert));
+  w_ = buffer<__nv_bfloat16>(convert);
   out_logits_ = buffer<float>(size_t(c.vocab_size));
   if (experts > 0) {
     router_w_ = buffer<float>(experts * H);
@@ -131,13 +131,7 @@ GemmPrefill::GemmPrefill(const DeviceModel& m, const Decoder& cache, int max_chu
     sort_.pair_row = buffer<int32_t>(pairs);
     xs_ = buffer<__nv_bfloat16>(pairs * H);
     ys_ = buffer<float>(pairs * H);
-    jobs_cap_ = 3 * experts;
-    ptrs_cap_ = 9 * experts;  // gate, up and down of every expert: A, B and C each
-    KESTREL_CUDA_CHECK(cudaMallocHost(&counts_h_, experts * sizeof(int32_t)));
-    KESTREL_CUDA_CHECK(cudaMallocHost(&jobs_h_, jobs_cap_ * sizeof(Bf16Job)));
-    KESTREL_CUDA_CHECK(cudaMallocHost(&ptrs_h_, ptrs_cap_ * sizeof(void*)));
-    jobs_d_ = buffer<Bf16Job>(jobs_cap_);
-    ptrs_d_ = buffer<const void*>(ptrs_cap_);
+    moe_scratch_ = buffer<int32_t>(size_t(moe_gemm_scratch_ints(int(experts))));
   }
   guard.done = true;
 }
@@ -146,7 +140,6 @@ GemmPrefill::~GemmPrefill() { release(); }
 
 void GemmPrefill::release() {
   for (void* b : buffers_) cudaFree(b);
-  cudaFreeHost(counts_h_), cudaFreeHost(jobs_h_), cudaFreeHost(ptrs_h_);
   if (blas_) cublasDestroy(blas_);
 }
 
@@ -154,39 +147,6 @@ void GemmPrefill::gemm(const Gemm& g) {
   KESTREL_CUBLAS_CHECK(cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, g.m, g.n, g.k, &g.alpha, g.a, CUDA_R_16BF, g.lda,
                                     g.b, CUDA_R_16BF, g.ldb, &g.beta, g.c, CUDA_R_32F, g.ldc, CUBLAS_COMPUTE_32F,
                                     CUBLAS_GEMM_DEFAULT));
-}
-
-void GemmPrefill::gemms(const std::vector<Gemm>& g, cudaStream_t s) {
-  if (g.empty()) return;
-  const int n = int(g.size());
-  if (grouped_ && ptrs_h_ && ptrs_used_ + 3 * size_t(n) <= ptrs_cap_) {
-    // The pointer arrays go to the device; the sizes and scalars stay on the host (the grouped
-    // call reads them before it returns).
-    const void** hp = ptrs_h_ + ptrs_used_;
-    const void** dp = ptrs_d_ + ptrs_used_;
-    for (int i = 0; i < n; ++i) hp[i] = g[size_t(i)].a, hp[n + i] = g[size_t(i)].b, hp[2 * n + i] = g[size_t(i)].c;
-    KESTREL_CUDA_CHECK(cudaMemcpyAsync(dp, hp, 3 * size_t(n) * sizeof(void*), cudaMemcpyHostToDevice, s));
-    ptrs_used_ += 3 * size_t(n);
-    const size_t G = g.size();
-    std::vector<cublasOperation_t> ta(G, CUBLAS_OP_T), tb(G, CUBLAS_OP_N);
-    std::vector<int> m(G), nn(G), k(G), lda(G), ldb(G), ldc(G), size(G, 1);
-    std::vector<float> alpha(G), beta(G);
-    for (size_t i = 0; i < G; ++i) {
-      m[i] = g[i].m, nn[i] = g[i].n, k[i] = g[i].k, lda[i] = g[i].lda, ldb[i] = g[i].ldb, ldc[i] = g[i].ldc;
-      alpha[i] = g[i].alpha, beta[i] = g[i].beta;
-    }
-    const cublasStatus_t st = cublasGemmGroupedBatchedEx(
-        blas_, ta.data(), tb.data(), m.data(), nn.data(), k.data(), alpha.data(), dp, CUDA_R_16BF, lda.data(), dp + n,
-        CUDA_R_16BF, ldb.data(), beta.data(), const_cast<void* const*>(dp + 2 * n), CUDA_R_32F, ldc.data(), n,
-        size.data(), CUBLAS_COMPUTE_32F);
-    if (st == CUBLAS_STATUS_SUCCESS) return;
-    if (st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE)
-      fail("cuBLAS error in the grouped GEMM: ", cublasGetStatusString(st));
-    grouped_ = false;  // this library does not take BF16 -> float32 groups: one call per GEMM
-    std::fprintf(stderr, "cuBLAS refused the grouped GEMM (%s): one call per expert from here\n",
-                 cublasGetStatusString(st));
-  }
-  for (const Gemm& x : g) gemm(x);
 }
 
 void GemmPrefill::linear(const DLinear& w, const __nv_bfloat16* x, int n, float* y, int ldy, bool accumulate,
@@ -210,7 +170,7 @@ void GemmPrefill::gated_mlp(const DLinear& gate, const DLinear& up, const DLinea
   const int w = gate.out, H = int(m_.config().hidden_size);
   linear(gate, xb_, n, h_, 2 * w, false, s);
   linear(up, xb_, n, h_ + w, 2 * w, false, s);
-  launch_silu_mul_bf16(h_, n, w, act_, s);
+  launch_silu_mul_bf16(h_, n, w, false, act_, s);
   linear(down, act_, n, x_, H, true, s);
 }
 
@@ -271,72 +231,21 @@ void GemmPrefill::moe(int layer, int n, cudaStream_t s) {
   launch_add_bias(router_logits_, r.w.bias, n, E, E, s);
   launch_select_experts(r, router_logits_, n, route_e_, route_w_, s);
   launch_expert_sort(route_e_, pairs, E, sort_, s);
-  launch_gather_rows(xb_, H, sort_.row_pair, pairs, K, xs_, s);
-  // First version: the counts come to the host once per MoE layer, which then converts only the
-  // experts that received tokens and sizes each expert's GEMM (cuBLAS's grouped GEMM takes its
-  // sizes from host memory). The wait drains the GPU's queue once per layer; the issue's goal is
-  // a grouped GEMM that reads the counts on the device (docs/PERF.md v38).
-  KESTREL_CUDA_CHECK(cudaMemcpyAsync(counts_h_, sort_.counts, size_t(E) * 4, cudaMemcpyDeviceToHost, s));
-  KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
-  jobs_used_ = ptrs_used_ = 0;  // the previous layer's staged copies have all run
-  const std::vector<DLinear>&gate = gate_[size_t(layer)], &up = up_[size_t(layer)], &down = down_[size_t(layer)];
+  // The routed experts, no host synchronization: gate and up of each sorted row into h_ [pairs,
+  // 2I] (gate's columns then up's), SiLU x up into act_, down into ys_ [pairs, H], all grouped
+  // GEMMs over the device's counts. The gathered rows and act_ are in the grouped GEMM's MMA
+  // order (moe_gemm.h), which the gather and the activation write at no cost.
   const int I = e.width;
-  int first_row = 0;  // of the current round
-  for (int x = 0; x < E;) {
-    // A round: the next experts_per_round_ experts with tokens, their weights converted together.
-    std::vector<int> round;
-    int rows = 0;
-    for (; x < E && int(round.size()) < experts_per_round_; ++x)
-      if (counts_h_[x] > 0) round.push_back(x), rows += counts_h_[x];
-    if (round.empty()) break;
-    Bf16Job* jobs = jobs_h_ + jobs_used_;
-    int njobs = 0;
-    int64_t most = 0;
-    std::vector<const __nv_bfloat16*> wg(round.size()), wu(round.size()), wd(round.size());
-    __nv_bfloat16* at = w_;
-    auto place = [&](const DLinear& w) {  // the BF16 weights of w: its own, or converted into w_
-      if (is_bf16(w)) return reinterpret_cast<const __nv_bfloat16*>(w.data);
-      jobs[njobs++] = Bf16Job{w, at};
-      most = std::max(most, elements(w));
-      const __nv_bfloat16* p = at;
-      at += elements(w);
-      return p;
-    };
-    for (size_t i = 0; i < round.size(); ++i) {
-      const int ex = round[i];
-      wg[i] = place(gate[size_t(ex)]), wu[i] = place(up[size_t(ex)]), wd[i] = place(down[size_t(ex)]);
-    }
-    if (njobs > 0) {
-      KESTREL_CUDA_CHECK(cudaMemcpyAsync(jobs_d_ + jobs_used_, jobs, size_t(njobs) * sizeof(Bf16Job),
-                                         cudaMemcpyHostToDevice, s));
-      launch_to_bf16(jobs_d_ + jobs_used_, njobs, most, s);
-      jobs_used_ += size_t(njobs);
-    }
-    // gate and up of each expert's rows into h_ [rows, 2I], then the activation, then down into ys_.
-    std::vector<Gemm> gu, dn;
-    int row = first_row;
-    for (size_t i = 0; i < round.size(); ++i) {
-      const int ex = round[i], cnt = counts_h_[ex];
-      Gemm g;
-      g.b = xs_ + size_t(row) * H, g.ldb = H;
-      g.m = I, g.n = cnt, g.k = H, g.lda = H, g.ldc = 2 * I;
-      g.a = wg[i], g.c = h_ + size_t(row) * 2 * I, g.alpha = bf16_alpha(gate[size_t(ex)]);
-      gu.push_back(g);
-      g.a = wu[i], g.c = h_ + size_t(row) * 2 * I + I, g.alpha = bf16_alpha(up[size_t(ex)]);
-      gu.push_back(g);
-      Gemm d;
-      d.a = wd[i], d.lda = I;
-      d.b = act_ + size_t(row) * I, d.ldb = I;
-      d.c = ys_ + size_t(row) * H, d.ldc = H;
-      d.m = H, d.n = cnt, d.k = I, d.alpha = bf16_alpha(down[size_t(ex)]);
-      dn.push_back(d);
-      row += cnt;
-    }
-    gemms(gu, s);
-    launch_silu_mul_bf16(h_ + size_t(first_row) * 2 * I, rows, I, act_ + size_t(first_row) * I, s);
-    gemms(dn, s);
-    first_row += rows;
-  }
+  launch_gather_rows(xb_, H, sort_.row_pair, pairs, K, true, xs_, s);
+  MoeGemm gate_up;
+  gate_up.parts[0] = e.gate, gate_up.parts[1] = e.up, gate_up.num_parts = 2;
+  gate_up.experts = E, gate_up.out = I, gate_up.in = H;
+  launch_moe_gemm(gate_up, xs_, pairs, sort_.counts, moe_scratch_, h_, s);
+  launch_silu_mul_bf16(h_, pairs, I, true, act_, s);
+  MoeGemm down;
+  down.parts[0] = e.down, down.num_parts = 1;
+  down.experts = E, down.out = H, down.in = I;
+  launch_moe_gemm(down, act_, pairs, sort_.counts, moe_scratch_, ys_, s);
   launch_combine_experts(ys_, H, sort_.pair_row, route_w_, n, K, x_, s);
   if (e.has_shared) gated_mlp(e.shared_gate, e.shared_up, e.shared_down, n, s);
 }

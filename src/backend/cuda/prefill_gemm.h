@@ -1,13 +1,13 @@
-// Prefill of long prompts with every product on the tensor cores through cuBLAS: a chunk of up
-// to max_chunk consecutive positions of one sequence runs layer by layer (not the decode step
-// over chunks of 64 rows). Each linear is a BF16 GEMM with float32 accumulation; NVFP4 weights
-// are converted to BF16 one matrix (or one round of a layer's experts) at a time into a scratch
-// buffer, never the whole model. The MoE sorts the chunk's (token, slot) pairs by expert on the
-// device (expert_sort.h) and runs one GEMM per expert over the tokens that chose it (cuBLAS's
-// grouped GEMM, one group per expert). Attention is the decode step's kernels over the chunk's
-// rows (correct for a chunk, on CUDA cores: the next step is attention on tensor cores).
-// Keys and values go into a one-sequence Decoder's KV cache, so decoding continues there.
-// docs/PERF.md v38 has the design, its costs and what is left.
+// Prefill of long prompts with every product on the tensor cores: a chunk of up to max_chunk
+// consecutive positions of one sequence runs layer by layer (not the decode step over chunks of
+// 64 rows). Each dense linear is a cuBLAS BF16 GEMM with float32 accumulation; NVFP4 weights are
+// converted to BF16 one matrix at a time into a scratch buffer, never the whole model. The MoE
+// sorts the chunk's (token, slot) pairs by expert on the device (expert_sort.h) and runs the
+// routed experts as grouped GEMMs with the NVFP4 dequantized in their main loop and the tiles
+// counted on the device (moe_gemm.h): no host synchronization. Attention is the decode step's
+// kernels over the chunk's rows (correct for a chunk, on CUDA cores: the next step is attention
+// on tensor cores). Keys and values go into a one-sequence Decoder's KV cache, so decoding
+// continues there. docs/PERF.md v38 has the design, v40 the grouped expert GEMM.
 #pragma once
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -19,6 +19,7 @@
 
 #include "backend/cuda/decoder.h"
 #include "backend/cuda/expert_sort.h"
+#include "backend/cuda/moe_gemm.h"
 #include "backend/cuda/weights_bf16.h"
 
 namespace kestrel::cuda {
@@ -37,7 +38,7 @@ class GemmPrefill {
 
   // Runs tokens[0 .. n) (host memory) at positions pos .. pos + n - 1, n <= max_chunk(), on s.
   // With `logits`, the last position's logits are left in logits() ([vocab], device memory).
-  // Synchronizes with the host once per MoE layer (below).
+  // Does not synchronize with the host (but when the attention's scratch grows: a longer prompt).
   void run(const int32_t* tokens, int n, int pos, cudaStream_t s, bool logits);
   const float* logits() const { return out_logits_; }
   int max_chunk() const { return max_chunk_; }
@@ -53,9 +54,6 @@ class GemmPrefill {
     float alpha = 1.0f, beta = 0.0f;
   };
   void gemm(const Gemm& g);  // one cuBLAS call
-  // One cuBLAS grouped call over all of them (one group each), or one call each where the
-  // library refuses the grouped form.
-  void gemms(const std::vector<Gemm>& g, cudaStream_t s);
   void release();  // every buffer and handle taken so far
   // y [n, w.out] (rows ldy apart) = x [n, w.in] (BF16) x w^T (+ bias); added to y when accumulate.
   void linear(const DLinear& w, const __nv_bfloat16* x, int n, float* y, int ldy, bool accumulate, cudaStream_t s);
@@ -70,7 +68,6 @@ class GemmPrefill {
   const Decoder& cache_;
   int max_chunk_;
   cublasHandle_t blas_ = nullptr;
-  bool grouped_ = true;  // cleared when cuBLAS refuses the grouped call: one call per GEMM after that
   std::vector<void*> buffers_;
   int32_t *tokens_ = nullptr, *positions_ = nullptr;
   float *x_ = nullptr, *xn_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *att_ = nullptr;
@@ -79,19 +76,12 @@ class GemmPrefill {
   float* att_scratch_ = nullptr;
   size_t att_scratch_floats_ = 0;
   // MoE: router weights as float32 and its logits, each token's experts and weights, the sort,
-  // the gathered input rows and the experts' outputs per sorted row.
+  // the gathered input rows (in the grouped GEMM's MMA order, as are the routed experts'
+  // activations in act_), the experts' outputs per sorted row, and the grouped GEMM's tile lists.
   float *router_w_ = nullptr, *router_logits_ = nullptr, *route_w_ = nullptr, *ys_ = nullptr;
-  int32_t* route_e_ = nullptr;
+  int32_t *route_e_ = nullptr, *moe_scratch_ = nullptr;
   ExpertSort sort_;
   __nv_bfloat16* xs_ = nullptr;
-  int experts_per_round_ = 1;  // experts whose converted weights w_ holds at once
-  // Per-layer staging (pinned host, then device): expert counts, conversion jobs and the grouped
-  // GEMMs' pointer arrays; each layer uses fresh places, reused after its host synchronization.
-  int32_t* counts_h_ = nullptr;
-  Bf16Job *jobs_h_ = nullptr, *jobs_d_ = nullptr;
-  const void **ptrs_h_ = nullptr, **ptrs_d_ = nullptr;
-  size_t jobs_cap_ = 0, ptrs_cap_ = 0, jobs_used_ = 0, ptrs_used_ = 0;
-  std::vector<std::vector<DLinear>> gate_, up_, down_;  // host copies of each MoE layer's expert matrices
 };
 
 }  // namespace kestrel::cuda

@@ -19,9 +19,8 @@ __device__ __forceinline__ float dense_at(const DLinear& w, int64_t i) {
 }
 
 // Each thread converts 16 consecutive weights: one NVFP4 block (8 bytes of codes and their scale)
-// or 16 dense values. blockIdx.y picks the job.
-__global__ void to_bf16_kernel(const Bf16Job* __restrict__ jobs, Bf16Job one) {
-  const Bf16Job job = jobs ? jobs[blockIdx.y] : one;
+// or 16 dense values.
+__global__ void to_bf16_kernel(const Bf16Job job) {
   const DLinear& w = job.w;
   const int64_t n = int64_t(w.out) * w.in, g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g * 16 >= n) return;
@@ -67,10 +66,13 @@ __global__ void f32_to_bf16_kernel(const float* __restrict__ x, int64_t n, __nv_
     y[i] = __float2bfloat16_rn(x[i]);
 }
 
-__global__ void silu_mul_kernel(const float* __restrict__ h, int64_t rows, int width, __nv_bfloat16* __restrict__ act) {
+__global__ void silu_mul_kernel(const float* __restrict__ h, int64_t rows, int width, bool mma_order,
+                                __nv_bfloat16* __restrict__ act) {
   const int64_t n = rows * width;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / width, c = i - r * width;
+    const int64_t r = i / width;
+    int64_t c = i - r * width;
+    if (mma_order) c = (c & ~int64_t(15)) + 4 * (c & 3) + ((c >> 2) & 3);  // act[16b + 4i + j] = value 16b + 4j + i
     const float g = h[r * 2 * width + c], u = h[r * 2 * width + width + c];
     act[i] = __float2bfloat16_rn(g / (1.0f + expf(-g)) * u);
   }
@@ -93,17 +95,10 @@ unsigned elementwise_blocks(int64_t n) {
 
 }  // namespace
 
-void launch_to_bf16(const Bf16Job* jobs, int n, int64_t most, cudaStream_t s) {
-  if (n <= 0 || most <= 0) return;
-  const int64_t groups = (most + 15) / 16;
-  to_bf16_kernel<<<dim3(unsigned((groups + kThreads - 1) / kThreads), unsigned(n)), kThreads, 0, s>>>(jobs, Bf16Job{});
-  KESTREL_CUDA_LAUNCHED();
-}
-
 void launch_to_bf16(const Bf16Job& job, cudaStream_t s) {
   const int64_t groups = (int64_t(job.w.out) * job.w.in + 15) / 16;
   if (groups == 0) return;
-  to_bf16_kernel<<<unsigned((groups + kThreads - 1) / kThreads), kThreads, 0, s>>>(nullptr, job);
+  to_bf16_kernel<<<unsigned((groups + kThreads - 1) / kThreads), kThreads, 0, s>>>(job);
   KESTREL_CUDA_LAUNCHED();
 }
 
@@ -117,9 +112,11 @@ void launch_f32_to_bf16(const float* x, int64_t n, __nv_bfloat16* y, cudaStream_
   KESTREL_CUDA_LAUNCHED();
 }
 
-void launch_silu_mul_bf16(const float* h, int64_t rows, int width, __nv_bfloat16* act, cudaStream_t s) {
+void launch_silu_mul_bf16(const float* h, int64_t rows, int width, bool mma_order, __nv_bfloat16* act,
+                          cudaStream_t s) {
   if (rows <= 0) return;
-  silu_mul_kernel<<<elementwise_blocks(rows * width), kThreads, 0, s>>>(h, rows, width, act);
+  if (mma_order && width % 16 != 0) fail("internal: activations of width ", width, " in the MMA order");
+  silu_mul_kernel<<<elementwise_blocks(rows * width), kThreads, 0, s>>>(h, rows, width, mma_order, act);
   KESTREL_CUDA_LAUNCHED();
 }
 

@@ -1,7 +1,8 @@
 // Weights and activations as BF16 for cuBLAS, and the small element-wise kernels around the
 // prefill's GEMMs (prefill_gemm.h): cuBLAS multiplies BF16 on the tensor cores with FP32
-// accumulation, so every operand is turned into BF16 first, one matrix (or one layer's experts)
-// at a time into a scratch buffer, never the whole model at once.
+// accumulation, so every operand of its dense products is turned into BF16 first, one matrix at
+// a time into a scratch buffer, never the whole model at once (the routed experts' NVFP4 is
+// dequantized inside their own GEMM instead, moe_gemm.h).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -23,9 +24,7 @@ struct Bf16Job {
 // The factor a GEMM over a converted matrix applies: scale2 for NVFP4, 1 otherwise.
 inline float bf16_alpha(const DLinear& w) { return w.format == DFormat::NVFP4 ? w.scale2 : 1.0f; }
 
-// Converts jobs[0 .. n) (a device array) in one launch; most: the largest job's out * in.
-void launch_to_bf16(const Bf16Job* jobs, int n, int64_t most, cudaStream_t s);
-// One matrix, its job passed by value.
+// Converts one matrix.
 void launch_to_bf16(const Bf16Job& job, cudaStream_t s);
 
 // w's values as float32 (NVFP4: with scale2, as the CPU reference computes them) into dst
@@ -37,8 +36,10 @@ void launch_to_f32(const DLinear& w, float* dst, cudaStream_t s);
 void launch_f32_to_bf16(const float* x, int64_t n, __nv_bfloat16* y, cudaStream_t s);
 
 // The gated activation of `rows` rows of h [rows, 2 * width] (the gate's outputs then the up's,
-// float32) into act [rows, width] BF16: silu(gate) * up.
-void launch_silu_mul_bf16(const float* h, int64_t rows, int width, __nv_bfloat16* act, cudaStream_t s);
+// float32) into act [rows, width] BF16: silu(gate) * up; with mma_order, each row in the grouped
+// expert GEMM's order (moe_gemm.h: each 16-value block 4x4 transposed; width % 16 == 0).
+void launch_silu_mul_bf16(const float* h, int64_t rows, int width, bool mma_order, __nv_bfloat16* act,
+                          cudaStream_t s);
 
 // y[r, 0 .. n) += bias for r < rows, rows `ld` floats apart.
 void launch_add_bias(float* y, const float* bias, int rows, int n, int ld, cudaStream_t s);
