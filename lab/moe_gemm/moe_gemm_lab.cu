@@ -6,6 +6,8 @@
 // 0.56, and the per-expert calls need the counts on the host (docs/PERF.md v38: ~70 ms of fixed
 // cost per chunk). Issue 31 wants the conversion in the GEMM, tokens grouped per expert, the
 // counts read on the device.
+// (v3 now runs in the engine: src/backend/cuda/moe_gemm.cu, docs/PERF.md v40; v0 here stays the
+// former path's cost.)
 //
 // The operation: E experts, expert e's weights W_e [N, K] in kestrel's NVFP4 (dlinear.h): codes
 // [N, K/2] bytes row-major, weight 2j in the low nibble of byte j, E2M1 (sign, 2 exponent bits, 1
