@@ -198,7 +198,7 @@ TEST(CudaPrefillOps, MoeGemmMatchesCpu) {
     const int E = int(cs.counts.size()), out = cs.out, in = cs.in, P = cs.parts;
     int rows = 0;
     for (int c : cs.counts) rows += c;
-    // Random experts: any code byte, positive E4M3 scales 2^-3 .. ~1.9, scale2 per matrix.
+    // Random experts: any code byte, positive E4M3 scales 2^-3 .. 1.75, scale2 per matrix.
     std::uniform_int_distribution<int> byte(0, 255), sc(0x20, 0x3E);
     std::vector<std::vector<uint8_t>> codes(size_t(E * P)), scales(size_t(E * P));
     std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> d_codes, d_scales;
@@ -257,7 +257,7 @@ TEST(CudaPrefillOps, MoeGemmMatchesCpu) {
           b(want.begin() + size_t(r) * P * out, want.begin() + size_t(r + 1) * P * out);
       worst = std::max(worst, test::rel_err(a, b));
     }
-    EXPECT_LE(worst, 1e-5) << "worst row";
+    EXPECT_LE(worst, 1e-4) << "worst row";  // ~1e-6 when right (exact BF16 weights); a wrong index is O(1)
     std::printf("  grouped expert GEMM, %d experts, %d rows, %d x [%d, %d]: worst row rel err %.1e\n", E, rows, P, out,
                 in, worst);
     if (P != 2 || out % 16 != 0) continue;
