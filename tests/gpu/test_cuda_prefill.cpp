@@ -175,9 +175,9 @@ TEST(CudaPrefillOps, ExpertSortGatherCombine) {
   EXPECT_LE(test::rel_err(d_res.download(), want), 1e-6);
 }
 
-// The grouped expert GEMM (moe_gemm.h) against the CPU on random NVFP4 experts: gate and up as two
-// parts with their own scale2 (and a SiLU x up in the MMA order after it, as the prefill runs
-// it) and a one-part down; experts without rows, partial token and row tiles, inputs of a
+// The grouped expert GEMM (moe_gemm.h) against the CPU on random NVFP4 and BF16 experts: gate
+// and up as two parts with their own scale2 (and a SiLU x up in the MMA order after it, as the
+// prefill runs it) and a one-part down; experts without rows, partial token and row tiles, inputs of a
 // multiple of 64 and of 32 (a half-full last chunk), both tile shapes (mean rows per expert
 // below and above 96). Outputs start as NaN, so one the kernel leaves out fails.
 TEST(CudaPrefillOps, MoeGemmMatchesCpu) {
@@ -192,9 +192,10 @@ TEST(CudaPrefillOps, MoeGemmMatchesCpu) {
       {300, 32, 1, {64, 65, 0, 1, 2}},              // small tiles, in = 32: one half-full chunk
   };
   std::mt19937 rng(23);
+  for (const bool bf16 : {false, true})
   for (size_t ci = 0; ci < cases.size(); ++ci) {
     const Case& cs = cases[ci];
-    SCOPED_TRACE(ci);
+    SCOPED_TRACE(std::string(bf16 ? "BF16" : "NVFP4") + " experts, case " + std::to_string(ci));
     const int E = int(cs.counts.size()), out = cs.out, in = cs.in, P = cs.parts;
     int rows = 0;
     for (int c : cs.counts) rows += c;
@@ -208,6 +209,20 @@ TEST(CudaPrefillOps, MoeGemmMatchesCpu) {
     for (int e = 0; e < E; ++e)
       for (int p = 0; p < P; ++p) {
         const size_t i = size_t(e * P + p);
+        cuda::DLinear& d = parts[size_t(p)][size_t(e)];
+        d.out = out, d.in = in;
+        wf[i].resize(size_t(out) * in);
+        if (bf16) {  // BF16 weights as they are: scale2 1
+          codes[i].resize(size_t(out) * in * 2);
+          for (size_t k = 0; k < wf[i].size(); ++k) {
+            const uint16_t v = f32_to_bf16(std::normal_distribution<float>(0.0f, 0.1f)(rng));
+            std::memcpy(&codes[i][2 * k], &v, 2);
+            wf[i][k] = bf16_to_f32(v);
+          }
+          d_codes.push_back(std::make_unique<DeviceBuffer<uint8_t>>(codes[i]));
+          d.format = cuda::DFormat::BF16, d.data = d_codes.back()->get(), d.scale2 = 1.0f;
+          continue;
+        }
         codes[i].resize(size_t(out) * in / 2);
         scales[i].resize(size_t(out) * in / 16);
         for (auto& b : codes[i]) b = uint8_t(byte(rng));
@@ -218,10 +233,8 @@ TEST(CudaPrefillOps, MoeGemmMatchesCpu) {
         host.out = out, host.in = in, host.format = WeightFormat::NVFP4;
         host.data = codes[i].data(), host.scales = scales[i].data();
         host.scale2 = 0.01f * float(1 + e + 3 * p);
-        wf[i].resize(size_t(out) * in);
         for (int r = 0; r < out; ++r) host.dequant_row(r, wf[i].data() + size_t(r) * in);
-        cuda::DLinear& d = parts[size_t(p)][size_t(e)];
-        d.out = out, d.in = in, d.format = cuda::DFormat::NVFP4;
+        d.format = cuda::DFormat::NVFP4;
         d.data = d_codes.back()->get(), d.scales = d_scales.back()->get(), d.scale2 = host.scale2;
       }
     // Rows sorted by expert, BF16, uploaded in the MMA order.
@@ -247,6 +260,7 @@ TEST(CudaPrefillOps, MoeGemmMatchesCpu) {
     y.poison();
     cuda::MoeGemm m;
     m.parts[0] = d_p0.get(), m.parts[1] = d_p1.get(), m.num_parts = P, m.experts = E, m.out = out, m.in = in;
+    m.format = bf16 ? cuda::DFormat::BF16 : cuda::DFormat::NVFP4;
     cuda::launch_moe_gemm(m, reinterpret_cast<const __nv_bfloat16*>(d_x.get()), rows, d_counts.get(), scratch.get(),
                           y.get(), nullptr);
     const std::vector<float> got = y.download();
@@ -258,8 +272,8 @@ TEST(CudaPrefillOps, MoeGemmMatchesCpu) {
       worst = std::max(worst, test::rel_err(a, b));
     }
     EXPECT_LE(worst, 1e-4) << "worst row";  // ~1e-6 when right (exact BF16 weights); a wrong index is O(1)
-    std::printf("  grouped expert GEMM, %d experts, %d rows, %d x [%d, %d]: worst row rel err %.1e\n", E, rows, P, out,
-                in, worst);
+    std::printf("  grouped expert GEMM, %s, %d experts, %d rows, %d x [%d, %d]: worst row rel err %.1e\n",
+                bf16 ? "BF16" : "NVFP4", E, rows, P, out, in, worst);
     if (P != 2 || out % 16 != 0) continue;
     // SiLU x up into the MMA order, from the kernel's own output.
     DeviceBuffer<uint16_t> act(size_t(rows) * out);
@@ -292,7 +306,7 @@ TEST_P(CudaPrefillTest, ChunksMatchCpuAndDecodingGoesOn) {
   auto dm = cuda::DeviceModel::upload(*model);
   const std::string why = cuda::GemmPrefill::unsupported(*dm);
   if (!why.empty()) {
-    EXPECT_TRUE(dm->config().is_mla() || why == "routed experts not in NVFP4") << why;
+    EXPECT_TRUE(dm->config().is_mla() || why == "routed experts neither NVFP4 nor BF16") << why;
     GTEST_SKIP() << "the GEMM prefill does not take " << why << " (Session falls back: next test)";
   }
   ThreadPool pool(2);

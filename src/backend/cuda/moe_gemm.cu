@@ -1,8 +1,9 @@
-// The grouped NVFP4 GEMM of the GEMM prefill's experts (moe_gemm.h). lab/moe_gemm/moe_gemm_lab.cu
-// has the design and the measurements; this is its variant v3 (two tile shapes, activations in
-// the MMA order) with row tiles per part (a tile never straddles gate and up, and `out` need not
-// be a multiple of the tile) and inputs a multiple of 32 rather than 64 (the last 64-wide chunk
-// may be half full; its missing half is zeros in shared memory).
+// The grouped GEMM of the GEMM prefill's experts (moe_gemm.h). lab/moe_gemm/moe_gemm_lab.cu has
+// the design and the measurements; this is its variant v3 (two tile shapes, activations in the
+// MMA order) with row tiles per part (a tile never straddles gate and up, and `out` need not be a
+// multiple of the tile), inputs a multiple of 32 rather than 64 (the last 64-wide chunk may be
+// half full; its missing half is zeros in shared memory), and BF16 experts beside NVFP4 ones
+// (their weights copied to shared memory as they are and permuted into the same k-slots).
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 with BF16), lane = 4 g + t:
 //   A (16 x 16, row): a0a1 row g, k 2t, 2t+1; a2a3 row g+8, same k; a4a5 row g, k 2t+8, 2t+9;
@@ -58,23 +59,29 @@ __global__ void tile_list_kernel(const int32_t* __restrict__ counts, int experts
   if (e == 0) tiles[0] = 0;
 }
 
-// BM weight rows x BN tokens per CTA, 8 warps of WARPS_M x WARPS_N, STAGES chunks of 64 in flight.
-template <int BM_, int BN_, int WARPS_M_, int STAGES_>
+// BM weight rows x BN tokens per CTA, 8 warps of WARPS_M x WARPS_N, STAGES chunks of 64 in flight;
+// NVFP4 weights (codes and scales) or, with BF16_, BF16 weights.
+template <int BM_, int BN_, int WARPS_M_, int STAGES_, bool BF16_>
 struct Tile {
   static constexpr int BM = BM_, BN = BN_, WARPS_M = WARPS_M_, WARPS_N = 8 / WARPS_M_, STAGES = STAGES_;
+  static constexpr bool kBf16 = BF16_;
   static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;  // a warp's rows and tokens
   static constexpr int MT = WM / 16, NT = WN / 8;             // its m16 and n8 tiles
-  // Shared memory per stage: codes [BM][32 B], scales [BM][4 B], X [BN][64 BF16 + 16 B of
-  // padding] (rows of 144 B: the 16-byte loads of lanes g and g + 1 fall in different banks).
-  static constexpr int kXRow = kBK * 2 + 16;
-  static constexpr int kCodes = BM * kBK / 2, kScales = BM * kBK / 16, kX = BN * kXRow;
+  // Shared memory per stage: codes [BM][32 B] and scales [BM][4 B] (NVFP4) or weights [BM][64
+  // BF16 + 16 B] (BF16), then X [BN][64 BF16 + 16 B]. The padded rows of 144 B put the 16-byte
+  // loads of lanes g and g + 1 in different banks.
+  static constexpr int kRow = kBK * 2 + 16;
+  static constexpr int kCodes = BF16_ ? BM * kRow : BM * kBK / 2, kScales = BF16_ ? 0 : BM * kBK / 16;
+  static constexpr int kX = BN * kRow;
   static constexpr int kStage = kCodes + kScales + kX, kSmem = STAGES * kStage;
   static_assert(WARPS_M * WARPS_N == 8 && WM % 16 == 0 && WN % 8 == 0, "8 warps of m16 x n8 tiles");
   static_assert(kCodes % 16 == 0 && kScales % 16 == 0 && kStage % 16 == 0, "16-byte aligned regions");
   static_assert(STAGES >= 2, "a pipeline");
 };
-using BigTile = Tile<128, 128, 4, 4>;   // warps of 32 rows x 64 tokens
-using SmallTile = Tile<256, 64, 8, 4>;  // the same per warp; no warp idle on small experts
+template <bool BF16>
+using BigTile = Tile<128, 128, 4, 4, BF16>;   // warps of 32 rows x 64 tokens
+template <bool BF16>
+using SmallTile = Tile<256, 64, 8, 4, BF16>;  // the same per warp; no warp idle on small experts
 
 // src_bytes 0 fills the 16 (or 4) bytes with zeros and reads nothing.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
@@ -137,6 +144,24 @@ __device__ __forceinline__ void compute_chunk(const uint8_t* st, int wm, int wn,
 #pragma unroll
   for (int mt = 0; mt < C::MT; ++mt) {
     const int ra = wm * C::WM + mt * 16 + g, rb = ra + 8;
+    if constexpr (C::kBf16) {
+      // The lane's 16 weights 16t .. 16t+15 of each row as 8 words (pairs 2i, 2i+1); slots of
+      // k-step s: (16t+s, 16t+s+4) from the halves s % 2 of words s/2 and s/2 + 2.
+      const uint4* pa = reinterpret_cast<const uint4*>(sc + ra * C::kRow + t * 32);
+      const uint4* pb = reinterpret_cast<const uint4*>(sc + rb * C::kRow + t * 32);
+      const uint4 a0 = pa[0], a1 = pa[1], b0 = pb[0], b1 = pb[1];
+      const uint32_t wa[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+      const uint32_t wb[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const uint32_t sel = s & 1 ? 0x7632u : 0x5410u;
+        a[mt][s][0] = __byte_perm(wa[s / 2], wa[s / 2 + 2], sel);
+        a[mt][s][1] = __byte_perm(wb[s / 2], wb[s / 2 + 2], sel);
+        a[mt][s][2] = __byte_perm(wa[s / 2 + 4], wa[s / 2 + 6], sel);
+        a[mt][s][3] = __byte_perm(wb[s / 2 + 4], wb[s / 2 + 6], sel);
+      }
+      continue;
+    }
     const uint2 ca = *reinterpret_cast<const uint2*>(sc + ra * 32 + t * 8);
     const uint2 cb = *reinterpret_cast<const uint2*>(sc + rb * 32 + t * 8);
     const uint32_t sa = scale_bf16x2(ss[ra * 4 + t]), sb = scale_bf16x2(ss[rb * 4 + t]);
@@ -151,7 +176,7 @@ __device__ __forceinline__ void compute_chunk(const uint8_t* st, int wm, int wn,
 #pragma unroll
   for (int nt = 0; nt < C::NT; ++nt) {
     if (wn * C::WN + nt * 8 >= rows) break;  // the warp's other tokens are past the expert's (uniform)
-    const uint8_t* xr = sx + (wn * C::WN + nt * 8 + g) * C::kXRow + t * 32;
+    const uint8_t* xr = sx + (wn * C::WN + nt * 8 + g) * C::kRow + t * 32;
     const uint4 lo = *reinterpret_cast<const uint4*>(xr);
     const uint4 hi = *reinterpret_cast<const uint4*>(xr + 16);
     const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
@@ -189,9 +214,10 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_kernel(const Args a) {
   const DLinear& w = (part == 0 ? a.parts[0] : a.parts[1])[e];  // no dynamic index into the parameters (a local copy)
   const int K = a.in, KC = (K + kBK - 1) / kBK;
   const bool whole = K % kBK == 0;  // else the last chunk is half full and the scale rows 2-byte aligned
-  const uint8_t* codes = w.data + size_t(row0) * size_t(K / 2);
-  const uint8_t* scales = w.scales + size_t(row0) * size_t(K / 16);
-  const float out_scale = w.scale2 * 256.0f;  // undoes the 2^-8 of the A values
+  const uint8_t* codes = C::kBf16 ? w.data : w.data + size_t(row0) * size_t(K / 2);
+  const uint8_t* scales = C::kBf16 ? w.scales : w.scales + size_t(row0) * size_t(K / 16);
+  const uint16_t* wrow = reinterpret_cast<const uint16_t*>(w.data) + size_t(row0) * size_t(K);  // BF16
+  const float out_scale = C::kBf16 ? 1.0f : w.scale2 * 256.0f;  // NVFP4: undoes the 2^-8 of the A values
   const uint16_t* x = a.x + size_t(tok_base) * size_t(K);
 
   // Stage `stage` <- chunk kc; whatever lies past the tile's rows, tokens or K is zeros (zero
@@ -199,6 +225,18 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_kernel(const Args a) {
   const uint32_t sbase = uint32_t(__cvta_generic_to_shared(smem));
   auto load = [&](int stage, int kc) {
     const uint32_t st = sbase + uint32_t(stage * C::kStage);
+    if constexpr (C::kBf16) {
+#pragma unroll
+      for (int j = 0; j < (C::BM * 8 + kThreads - 1) / kThreads; ++j) {  // weights: 8 x 16 B per row
+        const int i = int(threadIdx.x) + j * kThreads;
+        if (i < C::BM * 8) {
+          const int r = i >> 3, col = kc * kBK + (i & 7) * 8;  // values; K is a multiple of 32
+          const bool in = r < mrows && col < K;
+          cp_async16(st + uint32_t(r * C::kRow + (i & 7) * 16), in ? wrow + size_t(r) * size_t(K) + col : wrow,
+                     in ? 16u : 0u);
+        }
+      }
+    } else {
 #pragma unroll
     for (int j = 0; j < (C::BM * 2 + kThreads - 1) / kThreads; ++j) {  // codes: 2 x 16 B per row
       const int i = int(threadIdx.x) + j * kThreads;
@@ -225,13 +263,14 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_kernel(const Args a) {
         }
       }
     }
+    }
 #pragma unroll
     for (int j = 0; j < (C::BN * 8 + kThreads - 1) / kThreads; ++j) {  // X: 8 x 16 B per token
       const int i = int(threadIdx.x) + j * kThreads;
       if (i < C::BN * 8) {
         const int r = i >> 3, col = kc * kBK + (i & 7) * 8;  // values; K is a multiple of 32
         const bool in = r < rows && col < K;
-        cp_async16(st + uint32_t(C::kCodes + C::kScales + r * C::kXRow + (i & 7) * 16),
+        cp_async16(st + uint32_t(C::kCodes + C::kScales + r * C::kRow + (i & 7) * 16),
                    in ? x + size_t(r) * size_t(K) + col : x, in ? 16u : 0u);
       }
     }
@@ -309,7 +348,7 @@ void launch_moe_gemm(const MoeGemm& m, const __nv_bfloat16* x, int rows, const i
                      float* y, cudaStream_t s) {
   if (rows <= 0) return;
   if (m.experts < 1 || m.experts > 1024 || m.num_parts < 1 || m.num_parts > 2 || m.out < 1 || m.in < 32 ||
-      m.in % 32 != 0)
+      m.in % 32 != 0 || (m.format != DFormat::NVFP4 && m.format != DFormat::BF16))
     fail("internal: a grouped expert GEMM of ", m.experts, " experts, ", m.num_parts, " parts of [", m.out, ", ",
          m.in, "]");
   Args a{};
@@ -320,8 +359,14 @@ void launch_moe_gemm(const MoeGemm& m, const __nv_bfloat16* x, int rows, const i
   a.y = y;
   // The tile from the mean rows per expert (the lab's v2/v3 threshold): large experts fill
   // 128-token tiles; small ones take 256 rows x 64 tokens so that no warp idles on the tokens.
-  if (rows >= 96 * m.experts) launch_tiles<BigTile>(a, rows, scratch, s);
-  else launch_tiles<SmallTile>(a, rows, scratch, s);
+  const bool big = rows >= 96 * m.experts;
+  if (m.format == DFormat::BF16) {
+    if (big) launch_tiles<BigTile<true>>(a, rows, scratch, s);
+    else launch_tiles<SmallTile<true>>(a, rows, scratch, s);
+  } else {
+    if (big) launch_tiles<BigTile<false>>(a, rows, scratch, s);
+    else launch_tiles<SmallTile<false>>(a, rows, scratch, s);
+  }
 }
 
 }  // namespace kestrel::cuda

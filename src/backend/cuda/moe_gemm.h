@@ -1,7 +1,8 @@
 // A MoE layer's routed-expert products for a prefill chunk as one grouped GEMM (the GEMM
-// prefill, prefill_gemm.h): the rows are sorted by expert (expert_sort.h), the NVFP4 weights are
-// dequantized to BF16 inside an mma.sync main loop (m16n8k16, float32 accumulation), and the
-// tiles are counted from the per-expert counts on the device, so the host never reads them.
+// prefill, prefill_gemm.h): the rows are sorted by expert (expert_sort.h), NVFP4 weights are
+// dequantized to BF16 inside an mma.sync main loop (m16n8k16, float32 accumulation; BF16 weights
+// go in as they are), and the tiles are counted from the per-expert counts on the device, so the
+// host never reads them.
 // The kernel comes from lab/moe_gemm (its variant v3; the lab's header has the design, the
 // fragment layouts and its H100 figures).
 //
@@ -24,10 +25,11 @@ namespace kestrel::cuda {
 
 // One grouped product: expert e's output row is parts[0][e]'s `out` outputs, then parts[1][e]'s
 // (gate then up: two matrices with their own scale2; down alone: one part). Every matrix is
-// NVFP4 [out, in] with `in` a multiple of 32, 16-byte aligned codes and 4-byte aligned scales
-// (what upload gives); any `out`.
+// [out, in] in `format`, with `in` a multiple of 32: NVFP4 with 16-byte aligned codes and 4-byte
+// aligned scales, or BF16 16-byte aligned (what upload gives); any `out`.
 struct MoeGemm {
   const DLinear* parts[2] = {nullptr, nullptr};  // device arrays [experts] (DMoe::gate, up, down)
+  DFormat format = DFormat::NVFP4;               // NVFP4 or BF16
   int num_parts = 1;
   int experts = 0;  // at most 1024
   int out = 0, in = 0;

@@ -36,7 +36,8 @@ std::string GemmPrefill::unsupported(const DeviceModel& m) {
       if (L.moe.local_experts != L.moe.router.experts || L.moe.expert_gate.bias)
         return "experts split over ranks or with biases";
       // The grouped expert GEMM's (moe_gemm.h); the constructor checks every expert.
-      if (L.moe.expert_gate.format != DFormat::NVFP4) return "routed experts not in NVFP4";
+      const DFormat f = L.moe.expert_gate.format;
+      if (f != DFormat::NVFP4 && f != DFormat::BF16) return "routed experts neither NVFP4 nor BF16";
       if (L.moe.width % 32 != 0 || c.hidden_size % 32 != 0) return "expert widths not a multiple of 32";
     }
   if (m.lm_head().out != c.vocab_size) return "a split vocabulary";
@@ -93,19 +94,22 @@ GemmPrefill::GemmPrefill(const DeviceModel& m, const Decoder& cache, int max_chu
     }
     // The grouped expert GEMM reads the layer's device arrays of descriptors (DMoe::gate, up,
     // down) as its per-expert tables of pointers and scale2, built once at upload: every expert
-    // must be NVFP4 of the layer's shape, its codes 16-byte and its scales 4-byte aligned.
+    // must be in the layer's format (NVFP4 or BF16) and shape, NVFP4 codes and BF16 weights
+    // 16-byte and scales 4-byte aligned.
     std::vector<DLinear> g(E), u(E), d(E);
     KESTREL_CUDA_CHECK(cudaMemcpy(g.data(), e.gate, E * sizeof(DLinear), cudaMemcpyDeviceToHost));
     KESTREL_CUDA_CHECK(cudaMemcpy(u.data(), e.up, E * sizeof(DLinear), cudaMemcpyDeviceToHost));
     KESTREL_CUDA_CHECK(cudaMemcpy(d.data(), e.down, E * sizeof(DLinear), cudaMemcpyDeviceToHost));
-    auto fits = [](const DLinear& w, int out, int in) {
-      return w.format == DFormat::NVFP4 && w.out == out && w.in == in && !w.bias &&
-             reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && reinterpret_cast<uintptr_t>(w.scales) % 4 == 0;
+    const DFormat f = e.expert_gate.format;
+    auto fits = [f](const DLinear& w, int out, int in) {
+      return w.format == f && w.out == out && w.in == in && !w.bias && reinterpret_cast<uintptr_t>(w.data) % 16 == 0 &&
+             (f == DFormat::BF16 || reinterpret_cast<uintptr_t>(w.scales) % 4 == 0);
     };
     for (size_t i = 0; i < E; ++i)
       if (!fits(g[i], e.width, int(H)) || !fits(u[i], e.width, int(H)) || !fits(d[i], int(H), e.width))
-        fail("internal: the GEMM prefill's expert GEMM does not take expert ", i, " (NVFP4 [", e.width, ", ", H,
-             "] gate and up, [", H, ", ", e.width, "] down, aligned)");
+        fail("the GEMM prefill takes a layer's routed experts in one format and shape: layer ", &L - m.layers().data(),
+             " expert ", i, " is not ", f == DFormat::BF16 ? "BF16" : "NVFP4", " [", e.width, ", ", H,
+             "] gate and up, [", H, ", ", e.width, "] down, aligned, without biases");
   }
   KESTREL_CUBLAS_CHECK(cublasCreate(&blas_));
   tokens_ = buffer<int32_t>(N);
@@ -239,11 +243,13 @@ void GemmPrefill::moe(int layer, int n, cudaStream_t s) {
   launch_gather_rows(xb_, H, sort_.row_pair, pairs, K, true, xs_, s);
   MoeGemm gate_up;
   gate_up.parts[0] = e.gate, gate_up.parts[1] = e.up, gate_up.num_parts = 2;
+  gate_up.format = e.expert_gate.format;
   gate_up.experts = E, gate_up.out = I, gate_up.in = H;
   launch_moe_gemm(gate_up, xs_, pairs, sort_.counts, moe_scratch_, h_, s);
   launch_silu_mul_bf16(h_, pairs, I, true, act_, s);
   MoeGemm down;
   down.parts[0] = e.down, down.num_parts = 1;
+  down.format = e.expert_gate.format;
   down.experts = E, down.out = H, down.in = I;
   launch_moe_gemm(down, act_, pairs, sort_.counts, moe_scratch_, ys_, s);
   launch_combine_experts(ys_, H, sort_.pair_row, route_w_, n, K, x_, s);
