@@ -5,7 +5,6 @@
 #include "backend/cuda/gpu_model.h"
 #include "backend/cuda/prefill_gemm.h"
 #include "backend/cuda/session.h"
-#include "common/env.h"
 
 namespace kestrel::cuda {
 
@@ -19,14 +18,6 @@ int checked_gemm_chunk(int chunk) {
   return chunk;
 }
 }  // namespace
-
-int Session::default_gemm_chunk() {
-  static const int chunk = [] {
-    const int v = env_int("KESTREL_PREFILL_GEMM", 0);
-    return v <= 0 ? 0 : v == 1 ? kDefaultGemmChunk : checked_gemm_chunk(v);
-  }();
-  return chunk;
-}
 
 Session::Session(const DeviceModel& model, int max_context, int chunk, KvType kv, int gemm_chunk)
     : chunk_(checked_chunk(chunk)), vocab_(model.config().vocab_size) {

@@ -4,8 +4,9 @@
 // come back to the host on request, or the next token drawn on the GPU (sample.h). A split
 // model runs the same steps on every rank of its
 // RankGroup at once, each rank's graph holding its collectives.
-// Prompts of kGemmMinTokens and more can instead run through the GEMM prefill (prefill_gemm.h)
-// in chunks of `gemm_chunk` positions, on an unsplit model with grouped-query attention.
+// Prompts of kGemmMinTokens and more run through the GEMM prefill (prefill_gemm.h) instead, in
+// chunks of `gemm_chunk` positions, where the model takes it (GemmPrefill::unsupported: one GPU,
+// grouped-query attention).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -26,24 +27,22 @@ class Session {
   // Positions per prefill step: each step reads the weights its tokens touch once, so larger
   // chunks prefill faster, at the price of activation and attention scratch growing with it.
   static constexpr int kDefaultChunk = 64;
-  // Positions per chunk of the GEMM prefill: its fixed cost per chunk is converting every expert
-  // a chunk touches (all of them from a few hundred tokens) to BF16, so longer chunks amortize it
-  // (docs/PERF.md v38, not yet measured); its scratch grows with the chunk (~2 GB at 4096 on
-  // Qwen3-30B-A3B shapes, allocated on the first prompt that takes the path).
+  // Positions per chunk of the GEMM prefill: its fixed cost per chunk is converting the dense
+  // matrices to BF16 (the experts' NVFP4 is dequantized inside their grouped GEMM), so longer
+  // chunks amortize it; its scratch grows with the chunk (~2 GB at 4096 on Qwen3-30B-A3B shapes,
+  // allocated on the first prompt that takes the path).
   static constexpr int kDefaultGemmChunk = 4096;
-  // Shorter prompts keep the decode step's chunks: below this the conversion costs more than
-  // the GEMMs save (estimate, docs/PERF.md v38).
-  static constexpr int kGemmMinTokens = 256;
-  // The open A/B of the GEMM prefill (docs/ARCHITECTURE.md): KESTREL_PREFILL_GEMM=1 turns it on
-  // with kDefaultGemmChunk, =N (N > 1) with chunks of N; unset or 0: off (0).
-  static int default_gemm_chunk();
+  // Shorter prompts keep the decode step's chunks. Measured on an H200 (docs/PERF.md v40): the
+  // GEMM prefill costs ~7 ms a chunk plus ~0.05 ms a token on Qwen3-30B-A3B, the decode step's
+  // chunks ~0.26 ms a token, so they cross near 40 tokens.
+  static constexpr int kGemmMinTokens = 64;
   // kv: the type of the cached keys and values (KvSource::type). gemm_chunk: the GEMM prefill's
   // chunk, 0 for none (it is used where GemmPrefill::unsupported says the model can take it).
   Session(const DeviceModel& model, int max_context, int chunk = kDefaultChunk, KvType kv = KvType::F32,
-          int gemm_chunk = default_gemm_chunk());
+          int gemm_chunk = kDefaultGemmChunk);
   // A model on the GPUs, split or not (the GEMM prefill runs on one GPU only).
   Session(const GpuModel& model, int max_context, int chunk = kDefaultChunk, KvType kv = KvType::F32,
-          int gemm_chunk = default_gemm_chunk());
+          int gemm_chunk = kDefaultGemmChunk);
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
