@@ -355,12 +355,8 @@ nlohmann::json bench_prefill(const cuda::DeviceModel& dm, const std::vector<int>
     for (const int path_chunk : {0, gemm ? gemm_chunk : -1}) {
       if (path_chunk < 0) continue;
       const bool g = path_chunk > 0;
-      if (g && n < cuda::Session::kGemmMinTokens) {
-        std::printf("%8d %6s (shorter than the %d tokens the GEMM prefill takes)\n", n, "gemm",
-                    cuda::Session::kGemmMinTokens);
-        continue;
-      }
-      cuda::Session session(dm, n, chunk, kv, path_chunk);
+      // The GEMM prefill at every length, below Session::kGemmMinTokens too (where the crossing lies).
+      cuda::Session session(dm, n, chunk, kv, path_chunk, 1);
       std::vector<double> ms;
       for (int round = 0; round < 4; ++round) {
         session.reset();

@@ -13,14 +13,20 @@ int checked_chunk(int chunk) {
   if (chunk < 1 || chunk > 256) fail("prefill chunk ", chunk, " outside 1..256");
   return chunk;
 }
+int checked_min(int tokens) {
+  if (tokens < 1) fail("GEMM prefill threshold ", tokens, " below 1 token");
+  return tokens;
+}
 int checked_gemm_chunk(int chunk) {
   if (chunk < 0 || chunk > (1 << 16)) fail("GEMM prefill chunk ", chunk, " outside 0..65536");
   return chunk;
 }
 }  // namespace
 
-Session::Session(const DeviceModel& model, int max_context, int chunk, KvType kv, int gemm_chunk)
+Session::Session(const DeviceModel& model, int max_context, int chunk, KvType kv, int gemm_chunk,
+                 int gemm_min_tokens)
     : chunk_(checked_chunk(chunk)), vocab_(model.config().vocab_size) {
+  gemm_min_tokens_ = checked_min(gemm_min_tokens);
   if (checked_gemm_chunk(gemm_chunk) > 0 && GemmPrefill::unsupported(model).empty()) {
     gemm_model_ = &model;
     gemm_chunk_ = std::min(gemm_chunk, max_context);
@@ -32,8 +38,9 @@ Session::Session(const DeviceModel& model, int max_context, int chunk, KvType kv
   streams_.push_back(own_stream_);
 }
 
-Session::Session(const GpuModel& model, int max_context, int chunk, KvType kv, int gemm_chunk)
+Session::Session(const GpuModel& model, int max_context, int chunk, KvType kv, int gemm_chunk, int gemm_min_tokens)
     : gpus_(&model), chunk_(checked_chunk(chunk)), vocab_(model.part(0).config().vocab_size) {
+  gemm_min_tokens_ = checked_min(gemm_min_tokens);
   if (checked_gemm_chunk(gemm_chunk) > 0 && model.ranks() == 1 && !model.link(0) &&
       GemmPrefill::unsupported(model.part(0)).empty()) {
     gemm_model_ = &model.part(0);
@@ -83,7 +90,7 @@ int32_t Session::run_sample(std::span<const int32_t> tokens, const SampleParams&
 
 size_t Session::gemm_tokens(size_t tokens, bool all, bool sample) const {
   // Every position's logits (logits --all, perplexity) stay on the decode step, which has them.
-  if (!gemm_model_ || all || tokens < size_t(kGemmMinTokens)) return 0;
+  if (!gemm_model_ || all || tokens < size_t(gemm_min_tokens_)) return 0;
   // A drawn token's row runs through the decode step, which samples it.
   return sample ? tokens - 1 : tokens;
 }

@@ -38,12 +38,13 @@ class Session {
   // tokens, not yet measured: until it is, the threshold stays where the gain was measured.
   static constexpr int kGemmMinTokens = 256;
   // kv: the type of the cached keys and values (KvSource::type). gemm_chunk: the GEMM prefill's
-  // chunk, 0 for none (it is used where GemmPrefill::unsupported says the model can take it).
+  // chunk, 0 for none (it is used where GemmPrefill::unsupported says the model can take it);
+  // gemm_min_tokens: the shortest run it takes (the bench times it at any length with 1).
   Session(const DeviceModel& model, int max_context, int chunk = kDefaultChunk, KvType kv = KvType::F32,
-          int gemm_chunk = kDefaultGemmChunk);
+          int gemm_chunk = kDefaultGemmChunk, int gemm_min_tokens = kGemmMinTokens);
   // A model on the GPUs, split or not (the GEMM prefill runs on one GPU only).
   Session(const GpuModel& model, int max_context, int chunk = kDefaultChunk, KvType kv = KvType::F32,
-          int gemm_chunk = kDefaultGemmChunk);
+          int gemm_chunk = kDefaultGemmChunk, int gemm_min_tokens = kGemmMinTokens);
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
@@ -72,7 +73,7 @@ class Session {
   size_t gemm_tokens(size_t tokens, bool all, bool sample) const;
 
   const DeviceModel* gemm_model_ = nullptr;  // the model of the GEMM prefill, where it can take it
-  int gemm_chunk_ = 0;
+  int gemm_chunk_ = 0, gemm_min_tokens_ = kGemmMinTokens;
   std::unique_ptr<GemmPrefill> gemm_;        // made on the first prompt that takes it
 
   const GpuModel* gpus_ = nullptr;
