@@ -93,7 +93,7 @@ TEST(CudaPrefillOps, ToBf16MatchesCpuDequant) {
     for (int r = 0; r < out; ++r) host.dequant_row(r, want.data() + size_t(r) * in);
     DeviceBuffer<uint16_t> one(size_t(out) * in);
     one.poison();
-    cuda::launch_to_bf16(cuda::Bf16Job{dev, reinterpret_cast<__nv_bfloat16*>(one.get())}, nullptr);
+    cuda::launch_to_bf16(dev, reinterpret_cast<__nv_bfloat16*>(one.get()), nullptr);
     const std::vector<uint16_t> a = one.download();
     const float alpha = cuda::bf16_alpha(dev);
     std::vector<float> got(want.size());

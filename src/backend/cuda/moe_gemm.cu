@@ -1,7 +1,7 @@
-// The grouped GEMM of the GEMM prefill's experts (moe_gemm.h). lab/moe_gemm/moe_gemm_lab.cu has
-// the design and the measurements; this is its variant v3 (two tile shapes, activations in the
-// MMA order) with row tiles per part (a tile never straddles gate and up, and `out` need not be a
-// multiple of the tile), inputs a multiple of 32 rather than 64 (the last 64-wide chunk may be
+// The grouped GEMM of the GEMM prefill's experts (moe_gemm.h; measured in docs/PERF.md v39-v40,
+// where it was lab/moe_gemm's variant v3: two tile shapes, activations in the MMA order) with
+// row tiles per part (a tile never straddles gate and up, and `out` need not be a multiple of
+// the tile), inputs a multiple of 32 rather than 64 (the last 64-wide chunk may be
 // half full; its missing half is zeros in shared memory), and BF16 experts beside NVFP4 ones
 // (their weights copied to shared memory as they are and permuted into the same k-slots).
 //
@@ -94,6 +94,23 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Chunk kc (kBK values) of rows 0..ROWS-1 of a row-major BF16 matrix K values wide into shared
+// rows ROW_BYTES apart at `dst`; rows from `valid` on and values past K are zeros. The BF16
+// experts' weights and the tokens' inputs both load this way.
+template <int ROWS, int ROW_BYTES>
+__device__ __forceinline__ void load_bf16_chunk(uint32_t dst, const uint16_t* src, int valid, int K, int kc) {
+#pragma unroll
+  for (int j = 0; j < (ROWS * 8 + kThreads - 1) / kThreads; ++j) {  // 8 x 16 B per row
+    const int i = int(threadIdx.x) + j * kThreads;
+    if (i < ROWS * 8) {
+      const int r = i >> 3, col = kc * kBK + (i & 7) * 8;  // values; K is a multiple of 32
+      const bool in = r < valid && col < K;
+      cp_async16(dst + uint32_t(r * ROW_BYTES + (i & 7) * 16), in ? src + size_t(r) * size_t(K) + col : src,
+                 in ? 16u : 0u);
+    }
+  }
 }
 
 // Codes k and k + 4 (k = 0..3) of an 8-code word as a BF16 pair, code k in the low half: each
@@ -226,54 +243,36 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_kernel(const Args a) {
   auto load = [&](int stage, int kc) {
     const uint32_t st = sbase + uint32_t(stage * C::kStage);
     if constexpr (C::kBf16) {
-#pragma unroll
-      for (int j = 0; j < (C::BM * 8 + kThreads - 1) / kThreads; ++j) {  // weights: 8 x 16 B per row
-        const int i = int(threadIdx.x) + j * kThreads;
-        if (i < C::BM * 8) {
-          const int r = i >> 3, col = kc * kBK + (i & 7) * 8;  // values; K is a multiple of 32
-          const bool in = r < mrows && col < K;
-          cp_async16(st + uint32_t(r * C::kRow + (i & 7) * 16), in ? wrow + size_t(r) * size_t(K) + col : wrow,
-                     in ? 16u : 0u);
-        }
-      }
+      load_bf16_chunk<C::BM, C::kRow>(st, wrow, mrows, K, kc);
     } else {
 #pragma unroll
-    for (int j = 0; j < (C::BM * 2 + kThreads - 1) / kThreads; ++j) {  // codes: 2 x 16 B per row
-      const int i = int(threadIdx.x) + j * kThreads;
-      if (i < C::BM * 2) {
-        const int r = i >> 1, col = kc * 32 + (i & 1) * 16;  // bytes; K / 2 is a multiple of 16
-        const bool in = r < mrows && col < K / 2;
-        cp_async16(st + uint32_t(i * 16), in ? codes + size_t(r) * size_t(K / 2) + col : codes, in ? 16u : 0u);
+      for (int j = 0; j < (C::BM * 2 + kThreads - 1) / kThreads; ++j) {  // codes: 2 x 16 B per row
+        const int i = int(threadIdx.x) + j * kThreads;
+        if (i < C::BM * 2) {
+          const int r = i >> 1, col = kc * 32 + (i & 1) * 16;  // bytes; K / 2 is a multiple of 16
+          const bool in = r < mrows && col < K / 2;
+          cp_async16(st + uint32_t(i * 16), in ? codes + size_t(r) * size_t(K / 2) + col : codes, in ? 16u : 0u);
+        }
       }
-    }
 #pragma unroll
-    for (int j = 0; j < (C::BM + kThreads - 1) / kThreads; ++j) {  // scales: 4 B per row
-      const int i = int(threadIdx.x) + j * kThreads;
-      if (i < C::BM) {
-        const uint8_t* row = scales + size_t(i) * size_t(K / 16);
-        if (whole) {
-          const bool in = i < mrows;
-          cp_async4(st + uint32_t(C::kCodes + i * 4), in ? row + kc * 4 : scales, in ? 4u : 0u);
-        } else {  // rows K / 16 = 2 mod 4 bytes apart: byte loads, stored before the barrier that precedes their use
-          uint32_t v = 0;
-          if (i < mrows)
-            for (int b = 0; b < 4; ++b)
-              if (kc * 4 + b < K / 16) v |= uint32_t(row[kc * 4 + b]) << (8 * b);
-          *reinterpret_cast<uint32_t*>(smem + stage * C::kStage + C::kCodes + i * 4) = v;
+      for (int j = 0; j < (C::BM + kThreads - 1) / kThreads; ++j) {  // scales: 4 B per row
+        const int i = int(threadIdx.x) + j * kThreads;
+        if (i < C::BM) {
+          const uint8_t* row = scales + size_t(i) * size_t(K / 16);
+          if (whole) {
+            const bool in = i < mrows;
+            cp_async4(st + uint32_t(C::kCodes + i * 4), in ? row + kc * 4 : scales, in ? 4u : 0u);
+          } else {  // rows K / 16 = 2 mod 4 bytes apart: byte loads, stored before the barrier that precedes their use
+            uint32_t v = 0;
+            if (i < mrows)
+              for (int b = 0; b < 4; ++b)
+                if (kc * 4 + b < K / 16) v |= uint32_t(row[kc * 4 + b]) << (8 * b);
+            *reinterpret_cast<uint32_t*>(smem + stage * C::kStage + C::kCodes + i * 4) = v;
+          }
         }
       }
     }
-    }
-#pragma unroll
-    for (int j = 0; j < (C::BN * 8 + kThreads - 1) / kThreads; ++j) {  // X: 8 x 16 B per token
-      const int i = int(threadIdx.x) + j * kThreads;
-      if (i < C::BN * 8) {
-        const int r = i >> 3, col = kc * kBK + (i & 7) * 8;  // values; K is a multiple of 32
-        const bool in = r < rows && col < K;
-        cp_async16(st + uint32_t(C::kCodes + C::kScales + r * C::kRow + (i & 7) * 16),
-                   in ? x + size_t(r) * size_t(K) + col : x, in ? 16u : 0u);
-      }
-    }
+    load_bf16_chunk<C::BN, C::kRow>(st + uint32_t(C::kCodes + C::kScales), x, rows, K, kc);  // the tokens
   };
 
   const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;

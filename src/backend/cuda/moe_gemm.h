@@ -3,14 +3,14 @@
 // dequantized to BF16 inside an mma.sync main loop (m16n8k16, float32 accumulation; BF16 weights
 // go in as they are), and the tiles are counted from the per-expert counts on the device, so the
 // host never reads them.
-// The kernel comes from lab/moe_gemm (its variant v3; the lab's header has the design, the
-// fragment layouts and its H100 figures).
+// The kernel won lab/moe_gemm's comparison (variant v3 there, docs/PERF.md v39-v40: the design,
+// the fragment layouts in moe_gemm.cu, the measurements in PERF.md).
 //
 // Its activations are in the MMA order: every 16-value block of a row 4x4 transposed,
 // xp[16 b + 4 i + j] = x[16 b + 4 j + i], so that the two values each half of a B register
 // pairs (k and k + 4 of the block, the order in which the weights' codes are turned into BF16
 // pairs) are neighbours and a lane's fragments come straight from two 16-byte shared loads
-// (lab/moe_gemm: ~7% faster than the plain order and a byte permute per register). The order
+// (measured ~7% faster than the plain order and a byte permute per register). The order
 // costs nothing where the rows are written anyway: launch_gather_rows writes the gathered input
 // in it, launch_silu_mul_bf16 the activations for down (both with mma_order).
 #pragma once

@@ -157,7 +157,7 @@ void GemmPrefill::linear(const DLinear& w, const __nv_bfloat16* x, int n, float*
                          cudaStream_t s) {
   const __nv_bfloat16* a = reinterpret_cast<const __nv_bfloat16*>(w.data);
   if (!is_bf16(w)) {
-    launch_to_bf16(Bf16Job{w, w_}, s);  // the previous GEMM that read w_ precedes it on the stream
+    launch_to_bf16(w, w_, s);  // the previous GEMM that read w_ precedes it on the stream
     a = w_;
   }
   Gemm g;

@@ -20,11 +20,10 @@ __device__ __forceinline__ float dense_at(const DLinear& w, int64_t i) {
 
 // Each thread converts 16 consecutive weights: one NVFP4 block (8 bytes of codes and their scale)
 // or 16 dense values.
-__global__ void to_bf16_kernel(const Bf16Job job) {
-  const DLinear& w = job.w;
+__global__ void to_bf16_kernel(const DLinear w, __nv_bfloat16* const y) {
   const int64_t n = int64_t(w.out) * w.in, g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g * 16 >= n) return;
-  __nv_bfloat16* dst = job.dst + g * 16;
+  __nv_bfloat16* dst = y + g * 16;
   if (w.format == DFormat::NVFP4) {
     // The codes are row-major [out, in / 2] and the scales [out, in / 16]: block g's 8 bytes sit
     // at g * 8 and its scale at g, whatever the row.
@@ -44,7 +43,7 @@ __global__ void to_bf16_kernel(const Bf16Job job) {
     return;
   }
   const int64_t end = min(n, g * 16 + 16);
-  for (int64_t i = g * 16; i < end; ++i) job.dst[i] = __float2bfloat16_rn(dense_at(w, i));
+  for (int64_t i = g * 16; i < end; ++i) y[i] = __float2bfloat16_rn(dense_at(w, i));
 }
 
 __global__ void to_f32_kernel(DLinear w, float* __restrict__ dst) {
@@ -95,10 +94,10 @@ unsigned elementwise_blocks(int64_t n) {
 
 }  // namespace
 
-void launch_to_bf16(const Bf16Job& job, cudaStream_t s) {
-  const int64_t groups = (int64_t(job.w.out) * job.w.in + 15) / 16;
+void launch_to_bf16(const DLinear& w, __nv_bfloat16* dst, cudaStream_t s) {
+  const int64_t groups = (int64_t(w.out) * w.in + 15) / 16;
   if (groups == 0) return;
-  to_bf16_kernel<<<unsigned((groups + kThreads - 1) / kThreads), kThreads, 0, s>>>(job);
+  to_bf16_kernel<<<unsigned((groups + kThreads - 1) / kThreads), kThreads, 0, s>>>(w, dst);
   KESTREL_CUDA_LAUNCHED();
 }
 

@@ -13,19 +13,13 @@
 
 namespace kestrel::cuda {
 
-// One matrix to convert: w's values into dst [w.out, w.in], row-major BF16. NVFP4 weights become
-// code x block scale, exact in BF16 (2 significant bits times 4); the per-tensor scale2 is left
-// to the GEMM's alpha (bf16_alpha), so no weight is rounded. F16 and F32 are rounded to BF16.
-struct Bf16Job {
-  DLinear w;
-  __nv_bfloat16* dst = nullptr;
-};
-
 // The factor a GEMM over a converted matrix applies: scale2 for NVFP4, 1 otherwise.
 inline float bf16_alpha(const DLinear& w) { return w.format == DFormat::NVFP4 ? w.scale2 : 1.0f; }
 
-// Converts one matrix.
-void launch_to_bf16(const Bf16Job& job, cudaStream_t s);
+// w's values into dst [w.out, w.in], row-major BF16. NVFP4 weights become code x block scale,
+// exact in BF16 (2 significant bits times 4); the per-tensor scale2 is left to the GEMM's alpha
+// (bf16_alpha), so no weight is rounded. F16 and F32 are rounded to BF16.
+void launch_to_bf16(const DLinear& w, __nv_bfloat16* dst, cudaStream_t s);
 
 // w's values as float32 (NVFP4: with scale2, as the CPU reference computes them) into dst
 // [w.out, w.in]: for the router, whose product stays in float32 so that the experts a token
