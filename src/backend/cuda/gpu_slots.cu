@@ -59,10 +59,10 @@ GpuSlots::GpuSlots(const GpuModel& model, int slots, int context, int64_t kv_pos
     KvSource borrow;
     borrow.borrow = decs_[size_t(r)].get();
     prefill_[size_t(r)] = std::make_unique<Decoder>(model.part(r), kPrefillChunk, context, true, model.link(r), borrow);
-    if (ranks == 1 && !model.link(0) && context >= Session::kGemmMinTokens &&
-        GemmPrefill::unsupported(model.part(0)).empty())
-      gemm_ = std::make_unique<GemmPrefill>(model.part(0), *prefill_[0], std::min(kGemmChunk, context));
   });
+  if (ranks == 1 && !model.link(0) && context >= Session::kGemmMinTokens &&
+      GemmPrefill::unsupported(model.part(0)).empty())
+    gemm_chunk_ = std::min(kGemmChunk, context);
   KESTREL_CUDA_CHECK(cudaSetDevice(0));
   KESTREL_CUDA_CHECK(cudaMallocHost(&logits_, size_t(slots) * size_t(vocab_) * 4));
   KESTREL_CUDA_CHECK(cudaMallocHost(&drawn_, 2 * size_t(slots) * 4));
@@ -141,9 +141,20 @@ void GpuSlots::run(std::span<const Job> jobs) {
   // where that token's row draws on the GPU (the decoder's step samples; the GEMM prefill has logits only).
   auto gemm_tokens = [&](const Job& j) {
     const int n = int(j.tokens.size());
-    if (!gemm_ || j.all_logits || n < Session::kGemmMinTokens) return 0;
+    if (gemm_chunk_ == 0 || gemm_failed_ || j.all_logits || n < Session::kGemmMinTokens) return 0;
     return on_gpu(j) ? n - 1 : n;
   };
+  for (const Job* j : prefill)
+    if (!gemm_ && gemm_tokens(*j) > 0) {
+      try {
+        model_.each_rank([&](int) { gemm_ = std::make_unique<GemmPrefill>(model_.part(0), *prefill_[0], gemm_chunk_); });
+      } catch (const std::exception& e) {
+        gemm_failed_ = true;
+        cudaGetLastError();  // an allocation that failed leaves its error behind
+        std::fprintf(stderr, "kestrel: prompts prefill on the decode step's chunks: the GEMM prefill's scratch did not fit (%s)\n",
+                     e.what());
+      }
+    }
   std::vector<SampleParams> params(static_cast<size_t>(rows));
   bool sample = false;
   for (const Job& j : jobs)

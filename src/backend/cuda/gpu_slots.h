@@ -41,13 +41,15 @@ class GpuSlots final : public SequenceSlots {
   // weights its tokens touch once).
   static constexpr int kPrefillChunk = 64;
   // Positions per GEMM prefill chunk: a prompt's chunk is one step of the engine, which the
-  // decoding streams wait for (serve's --prefill-chunk and --step-tokens bound it). Its scratch,
-  // held from the start, is ~1 GB at 2048 on Qwen3-30B-A3B shapes.
+  // decoding streams wait for (serve's --prefill-chunk and --step-tokens bound it). Its scratch
+  // (~0.4 GB at 2048 on Qwen3-30B-A3B shapes, ~1 GB on GLM-4.5-Air's) is taken on the first
+  // chunk that uses it, from what the KV pool left; where it does not fit, prompts stay on the
+  // decoder (announced once).
   static constexpr int kGemmChunk = 2048;
   // Tokens per slot and step: the GEMM prefill's chunk where it takes the model, else 64.
-  int64_t max_chunk() const override { return gemm_ ? gemm_->max_chunk() : kPrefillChunk; }
+  int64_t max_chunk() const override { return gemm_chunk_ > 0 ? gemm_chunk_ : kPrefillChunk; }
   // Whether prompts go through the GEMM prefill (one GPU, a model it takes).
-  bool gemm_prefill() const { return gemm_ != nullptr; }
+  bool gemm_prefill() const { return gemm_chunk_ > 0; }
   Opened open(int64_t positions, std::span<const int32_t> prompt) override;
   void close(int slot) override { tables_.close(slot); }
   bool prefix_cache() const override { return tables_.ids().prefix_cache(); }
@@ -72,7 +74,9 @@ class GpuSlots final : public SequenceSlots {
   KvBlockTables tables_;
   std::vector<std::unique_ptr<Decoder>> decs_;     // per rank: the batched step over every slot
   std::vector<std::unique_ptr<Decoder>> prefill_;  // per rank: one slot's prompt, in the slot's blocks
-  std::unique_ptr<GemmPrefill> gemm_;  // long prompt chunks, into prefill_[0]'s cache (one GPU only)
+  int gemm_chunk_ = 0;                 // the GEMM prefill's chunk where it takes the model, else 0
+  std::unique_ptr<GemmPrefill> gemm_;  // made on the first chunk it runs, into prefill_[0]'s cache
+  bool gemm_failed_ = false;           // its scratch did not fit: prompts stay on the decoder
   std::vector<int32_t> pos_;  // next position of each slot
   std::vector<PrefixChain> chains_;  // per slot
   float* logits_ = nullptr;   // pinned [slots, vocab]
