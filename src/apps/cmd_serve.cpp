@@ -44,7 +44,7 @@ struct Options {
   std::string model, host = "127.0.0.1", api_key, name;
   std::string config, tokenizer;  // --config with --random-weights: a configuration's shapes, random
   bool random_weights = false;
-  int port = 8000, max_batch = 16, threads = 0, prefill_chunk = 64, step_tokens = 256;
+  int port = 8000, max_batch = 16, threads = 0, prefill_chunk = 0, step_tokens = 0;  // 0: the backend's
   int64_t context = 0, kv_tokens = 0, kv_blocks = 0;
   std::string kv_memory;
   double grace = 10.0;
@@ -144,10 +144,12 @@ Run add_serve(CLI::App& app) {
   app.add_option("--served-model-name", o->name, "Model id clients ask for (default: the model's file or folder name)");
   app.add_option("--max-batch", o->max_batch, "Sequences running at once (default 16)");
   app.add_option("--prefill-chunk", o->prefill_chunk,
-                 "Prompt tokens one sequence runs per step (default 64; the GPU runs at most 64)");
+                 "Prompt tokens one sequence runs per step (default: 2048 on a GPU whose GEMM prefill takes the "
+                 "model, its most; else 64, and the GPU's decode step runs at most 64; 0: the default)");
   app.add_option("--step-tokens", o->step_tokens,
-                 "Prompt tokens per step over all sequences, the earliest request's first (default 256): bounds the "
-                 "time between the running streams' tokens while prompts are prefilled");
+                 "Prompt tokens per step over all sequences, the earliest request's first (default: the prefill "
+                 "chunk, at least 256; 0: the default): bounds the time between the running streams' tokens while prompts are "
+                 "prefilled");
   app.add_option("--context", o->context, "Most positions per sequence (default: the model's, at most 8192)");
   app.add_option("--kv-tokens", o->kv_tokens,
                  "KV cache positions shared by all sequences (default: on the GPU max batch x context, or what fits "
@@ -224,8 +226,7 @@ Run add_serve(CLI::App& app) {
     EngineOptions eo;
     eo.max_batch = o->max_batch;
     eo.context = o->context;
-    eo.prefill_chunk = o->prefill_chunk;
-    eo.step_tokens = o->step_tokens;
+    bool gemm_prefill = false;  // the GPU's slots run long prompt chunks through the GEMM prefill
     const int64_t kv_given = kv_positions(*o, model->config);  // 0: the device's default
     eo.kv_tokens = kv_given;
     eo.threads = o->threads;
@@ -257,6 +258,7 @@ Run add_serve(CLI::App& app) {
             std::make_unique<cuda::GpuSlots>(*gpus, eo.max_batch, int(engine_context(*model, eo)), kv_gpu, kv,
                                              eo.prefix_cache);
         eo.kv_tokens = gpu_slots->kv_positions();  // the engine admits what the pool holds
+        gemm_prefill = gpu_slots->gemm_prefill();
         if (kv_given == 0)
           std::fprintf(stderr, "kestrel: GPU KV cache: %s (%s)\n", gpu_slots->kv_summary().c_str(),
                        eo.kv_tokens >= int64_t(eo.max_batch) * engine_context(*model, eo)
@@ -268,6 +270,7 @@ Run add_serve(CLI::App& app) {
         std::fprintf(stderr, "kestrel: serving on the CPU: %s\n", e.what());
         slots.reset();
         gpus.reset();
+        gemm_prefill = false;
         eo.max_batch = o->max_batch;
         eo.kv_tokens = kv_given;
       }
@@ -286,6 +289,12 @@ Run add_serve(CLI::App& app) {
           make_cpu_slots(*model, eo.max_batch, eo.threads, eo.layout, kv, eo.prefix_cache), model->config.vocab_size,
           int32_t(model->config.eos_token_ids[0]), tok.encode(o->test_scripted_reply, false, true));
     }
+    if (o->prefill_chunk < 0) fail("--prefill-chunk: must be at least 1, got ", o->prefill_chunk);
+    if (o->step_tokens < 0) fail("--step-tokens: must be at least 1, got ", o->step_tokens);
+    eo.prefill_chunk = o->prefill_chunk > 0 ? o->prefill_chunk
+                       : gemm_prefill       ? int(slots->max_chunk())
+                                            : EngineOptions{}.prefill_chunk;
+    eo.step_tokens = o->step_tokens > 0 ? o->step_tokens : std::max(EngineOptions{}.step_tokens, eo.prefill_chunk);
     Engine engine(*model, eo, std::move(slots));
 
     server::ServerOptions so;

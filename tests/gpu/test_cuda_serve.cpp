@@ -1,11 +1,11 @@
 // The server's engine on the GPU: requests decoding side by side in one batched step per token
-// and prefilling up to 64 prompt tokens per step in their own KV blocks (backend/cuda/gpu_slots.h),
-// unsplit and split over every GPU, give the tokens the CPU engine gives each of them (greedy
-// ones drawn on the GPU, sampled ones on the host): with a pool of a whole context per sequence,
-// with a pool so small that requests wait for blocks and take the ones others gave back, and
-// sixteen sequences at once. With a BF16 KV cache, each greedy sequence gets the tokens a BF16
-// Session gives it alone. Tokens sampled on the GPU are the draws their seeds and counters give
-// from the CPU's distribution.
+// and prefilling prompt chunks in their own KV blocks (backend/cuda/gpu_slots.h; long chunks
+// through the GEMM prefill), unsplit and split over every GPU, give the tokens the CPU engine
+// gives each of them (greedy ones drawn on the GPU, sampled ones on the host): with a pool of a
+// whole context per sequence, with a pool so small that requests wait for blocks and take the
+// ones others gave back, and sixteen sequences at once. With a BF16 KV cache, each greedy
+// sequence gets the tokens a BF16 Session gives it alone. Tokens sampled on the GPU are the
+// draws their seeds and counters give from the CPU's distribution.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -281,6 +281,87 @@ TEST(CudaServe, SpeculationGivesTheCpuEnginesGreedyTokens) {
     EXPECT_EQ(backend->kv_blocks_held(), 0) << "a finished sequence kept KV blocks";
     gpu.shutdown(1.0);
   }
+}
+
+// Prompt chunks of Session::kGemmMinTokens tokens and more run through the GEMM prefill in the
+// slots' own KV blocks, beside a shorter chunk on the decoder in pieces of 64 and, in the same
+// run, tokens drawn on the GPU and decoding sequences. Each slot's logits match the CPU's within
+// the GEMM prefill's tolerance (test_cuda_prefill.cpp), equal a Session's GEMM prefill of the
+// same prompt (so the path was taken: the decoder's rounding differs), and decoding goes on from
+// the cache the chunks filled.
+TEST(CudaServe, LongPromptChunksRunThroughTheGemmPrefill) {
+  constexpr double kGemmVsCpu = 2e-2;
+  auto model = load_model(test::fixture_dir("qwen3moe-nvfp4"));
+  const int64_t V = model->config.vocab_size;
+  const int context = 640;
+  cuda::GpuModel on_gpu(*model, Layout{1, 1});
+  cuda::GpuSlots slots(on_gpu, 3, context, 0);
+  ASSERT_TRUE(slots.gemm_prefill());
+  EXPECT_EQ(slots.max_chunk(), std::min(cuda::GpuSlots::kGemmChunk, context));
+  auto prompt = [&](int n, int salt) {
+    std::vector<int32_t> p(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) p[size_t(i)] = int32_t((31 * salt + 7 * i + i * i / 5) % V);
+    return p;
+  };
+  const std::vector<int32_t> a = prompt(300, 1), b = prompt(420, 2), c = prompt(290, 3);
+  ThreadPool pool(2);
+  cpu::Forward fwd(*model, pool);
+  // The CPU's logits after `p` and then after each of `more`.
+  auto cpu_logits = [&](const std::vector<int32_t>& p, std::vector<int32_t> more) {
+    KvCache cache = fwd.make_cache(context);
+    std::vector<std::vector<float>> out(1 + more.size(), std::vector<float>(size_t(V)));
+    std::vector<float> all(p.size() * size_t(V));
+    fwd.run(p, cache, all.data());
+    std::copy(all.end() - V, all.end(), out[0].begin());
+    for (size_t i = 0; i < more.size(); ++i) fwd.run({&more[i], 1}, cache, out[i + 1].data());
+    return out;
+  };
+
+  // Run 1: a's whole prompt (the GEMM prefill, logits to the host), b's first 130 tokens (the
+  // decoder: 64 + 64 + 2, no logits), c's whole prompt with a greedy draw offered (the GEMM
+  // prefill for 289 tokens, the decoder's step draws after the last).
+  const int sa = slots.open(context, a).slot, sb = slots.open(context, b).slot, sc = slots.open(context, c).slot;
+  std::vector<float> la(size_t(V), std::nanf("")), lb(size_t(V), std::nanf("")), lc(size_t(V), std::nanf(""));
+  int32_t drawn = -1;
+  SequenceSlots::Sample greedy;
+  greedy.options.temperature = 0.0f;
+  greedy.token = &drawn;
+  std::vector<SequenceSlots::Job> jobs(3);
+  jobs[0].slot = sa, jobs[0].tokens = a, jobs[0].logits = la.data();
+  jobs[1].slot = sb, jobs[1].tokens = {b.data(), 130};
+  jobs[2].slot = sc, jobs[2].tokens = c, jobs[2].logits = lc.data(), jobs[2].sample = &greedy;
+  slots.run(jobs);
+  const auto want_a = cpu_logits(a, {5}), want_c = cpu_logits(c, {});
+  const double e_a = test::rel_l2(la.data(), want_a[0].data(), V);
+  EXPECT_LE(e_a, kGemmVsCpu) << "a's last prompt position";
+  ASSERT_GE(drawn, 0);
+  ASSERT_LT(drawn, V);
+  const float best = *std::max_element(want_c[0].begin(), want_c[0].end());
+  EXPECT_GE(want_c[0][size_t(drawn)], best - 0.05f * std::fabs(best)) << "c's greedy draw " << drawn;
+  {
+    cuda::Session alone(on_gpu, context);
+    std::vector<float> ref(static_cast<size_t>(V));
+    alone.run(a, ref.data());
+    const double e_same = test::rel_l2(la.data(), ref.data(), V);
+    EXPECT_LE(e_same, 1e-5) << "a's logits against a Session's GEMM prefill of the same prompt";
+    std::printf("  a: GEMM prefill in the slots vs CPU %.2e, vs a Session's %.2e\n", e_a, e_same);
+  }
+
+  // Run 2: b's other 290 tokens (the GEMM prefill from position 130, after the decoder's), a and
+  // c decode a token each in the batched step.
+  const int32_t next_a = 5, next_c = drawn;
+  std::vector<float> la2(size_t(V), std::nanf("")), lc2(size_t(V), std::nanf(""));
+  jobs[0].tokens = {&next_a, 1}, jobs[0].logits = la2.data();
+  jobs[1].tokens = {b.data() + 130, b.size() - 130}, jobs[1].logits = lb.data();
+  jobs[2].tokens = {&next_c, 1}, jobs[2].logits = lc2.data(), jobs[2].sample = nullptr;
+  slots.run(jobs);
+  const auto want_b = cpu_logits(b, {}), want_c2 = cpu_logits(c, {drawn});
+  const double e_a2 = test::rel_l2(la2.data(), want_a[1].data(), V), e_b = test::rel_l2(lb.data(), want_b[0].data(), V),
+               e_c2 = test::rel_l2(lc2.data(), want_c2[1].data(), V);
+  EXPECT_LE(e_a2, kGemmVsCpu) << "a's token decoded after the GEMM prefill";
+  EXPECT_LE(e_b, kGemmVsCpu) << "b's last prompt position (decoder, then the GEMM prefill)";
+  EXPECT_LE(e_c2, kGemmVsCpu) << "c's token decoded after the GEMM prefill and the draw";
+  std::printf("  decoded after: a %.2e, c %.2e; b (130 on the decoder + 290) %.2e\n", e_a2, e_c2, e_b);
 }
 
 // GpuSlots refuses what it cannot run, naming the numbers.

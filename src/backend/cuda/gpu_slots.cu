@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/session.h"
 
 namespace kestrel::cuda {
 namespace {
@@ -59,6 +60,9 @@ GpuSlots::GpuSlots(const GpuModel& model, int slots, int context, int64_t kv_pos
     borrow.borrow = decs_[size_t(r)].get();
     prefill_[size_t(r)] = std::make_unique<Decoder>(model.part(r), kPrefillChunk, context, true, model.link(r), borrow);
   });
+  if (ranks == 1 && !model.link(0) && context >= Session::kGemmMinTokens &&
+      GemmPrefill::unsupported(model.part(0)).empty())
+    gemm_chunk_ = std::min(kGemmChunk, context);
   KESTREL_CUDA_CHECK(cudaSetDevice(0));
   KESTREL_CUDA_CHECK(cudaMallocHost(&logits_, size_t(slots) * size_t(vocab_) * 4));
   KESTREL_CUDA_CHECK(cudaMallocHost(&drawn_, 2 * size_t(slots) * 4));
@@ -67,6 +71,7 @@ GpuSlots::GpuSlots(const GpuModel& model, int slots, int context, int64_t kv_pos
 GpuSlots::~GpuSlots() {
   try {
     model_.each_rank([&](int r) {
+      if (r == 0) gemm_.reset();    // fills prefill_[0]'s cache
       prefill_[size_t(r)].reset();  // borrows the batched decoder's pool
       decs_[size_t(r)].reset();
     });
@@ -104,8 +109,10 @@ void GpuSlots::run(std::span<const Job> jobs) {
   int rows = 0;  // of the batched decode step
   std::vector<const Job*> prefill;
   for (const Job& j : jobs) {
-    if (j.tokens.empty() || j.tokens.size() > size_t(kPrefillChunk))
-      fail("internal: the GPU runs 1 to ", kPrefillChunk, " tokens per sequence and step");
+    if (j.tokens.empty() || int64_t(j.tokens.size()) > max_chunk() ||
+        (j.all_logits && j.tokens.size() > size_t(kPrefillChunk)))
+      fail("internal: the GPU runs 1 to ", max_chunk(), " tokens per sequence and step (", kPrefillChunk,
+           " for every row's logits), not ", j.tokens.size());
     if (j.slot < 0 || j.slot >= slots() || !tables_.is_open(j.slot)) fail("internal: slot ", j.slot, " is not open");
     const int64_t end = pos_[size_t(j.slot)] + int64_t(j.tokens.size());
     if (end > tables_.held(j.slot) * KvBlockPool::kBlock)
@@ -130,6 +137,24 @@ void GpuSlots::run(std::span<const Job> jobs) {
   // Jobs whose next token is drawn on the GPU (sample.h) rather than on the host. Only rank 0
   // samples (the other ranks' next tokens are not read); rows that do not sample stay greedy.
   auto on_gpu = [](const Job& j) { return j.logits && j.sample && !needs_history(j.sample->options); };
+  // Leading tokens of a prompt chunk that the GEMM prefill runs: all of them, or all but the last
+  // where that token's row draws on the GPU (the decoder's step samples; the GEMM prefill has logits only).
+  auto gemm_tokens = [&](const Job& j) {
+    const int n = int(j.tokens.size());
+    if (gemm_chunk_ == 0 || gemm_failed_ || j.all_logits || n < Session::kGemmMinTokens) return 0;
+    return on_gpu(j) ? n - 1 : n;
+  };
+  for (const Job* j : prefill)
+    if (!gemm_ && gemm_tokens(*j) > 0) {
+      try {
+        model_.each_rank([&](int) { gemm_ = std::make_unique<GemmPrefill>(model_.part(0), *prefill_[0], gemm_chunk_); });
+      } catch (const std::exception& e) {
+        gemm_failed_ = true;
+        cudaGetLastError();  // an allocation that failed leaves its error behind
+        std::fprintf(stderr, "kestrel: prompts prefill on the decode step's chunks: the GEMM prefill's scratch did not fit (%s)\n",
+                     e.what());
+      }
+    }
   std::vector<SampleParams> params(static_cast<size_t>(rows));
   bool sample = false;
   for (const Job& j : jobs)
@@ -148,27 +173,39 @@ void GpuSlots::run(std::span<const Job> jobs) {
       Decoder& p = *prefill_[size_t(r)];
       KESTREL_CUDA_CHECK(cudaMemcpyAsync(p.table(), dec.table() + size_t(j->slot) * stride, stride * 4,
                                          cudaMemcpyDeviceToDevice, s));
-      const int n = int(j->tokens.size());
-      int32_t pos[kPrefillChunk];
-      for (int i = 0; i < n; ++i) pos[i] = pos_[size_t(j->slot)] + i;
-      KESTREL_CUDA_CHECK(cudaMemcpyAsync(p.tokens(), j->tokens.data(), size_t(n) * 4, cudaMemcpyHostToDevice, s));
-      KESTREL_CUDA_CHECK(cudaMemcpyAsync(p.positions(), pos, size_t(n) * 4, cudaMemcpyHostToDevice, s));
-      // Only the last position's logits are made; with an offer the GPU takes, its token is drawn
-      // from them (pageable parameters: staged before the call returns).
-      const bool draw = r == 0 && on_gpu(*j);
-      if (draw) {
-        const SampleParams pp = sample_params(j->sample->options, j->sample->draw);
-        KESTREL_CUDA_CHECK(
-            cudaMemcpyAsync(p.sample_params() + (n - 1), &pp, sizeof(SampleParams), cudaMemcpyHostToDevice, s));
+      const int n = int(j->tokens.size()), g = gemm_tokens(*j), pos0 = pos_[size_t(j->slot)];
+      if (g > 0) {  // one GPU: rank 0
+        const bool logits = g == n && j->logits;
+        gemm_->run(j->tokens.data(), g, pos0, s, logits);
+        if (logits)
+          KESTREL_CUDA_CHECK(
+              cudaMemcpyAsync(logits_ + size_t(j->slot) * V, gemm_->logits(), V * 4, cudaMemcpyDeviceToHost, s));
       }
-      p.step_graph(n, false, s, j->all_logits ? Decoder::Logits::All : Decoder::Logits::Last, draw);
-      if (draw)
-        KESTREL_CUDA_CHECK(cudaMemcpyAsync(drawn_prefill + j->slot, p.next() + (n - 1), 4, cudaMemcpyDeviceToHost, s));
-      else if (r == 0 && j->all_logits)  // a verification: every row (pageable: done when the call returns)
-        KESTREL_CUDA_CHECK(cudaMemcpyAsync(j->logits, p.logits(), size_t(n) * V * 4, cudaMemcpyDeviceToHost, s));
-      else if (r == 0 && j->logits)
-        KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits_ + size_t(j->slot) * V, p.logits() + size_t(n - 1) * V, V * 4,
-                                           cudaMemcpyDeviceToHost, s));
+      // The rest on the decoder, 64 tokens a step. Only the last position's logits are made; with
+      // an offer the GPU takes, its token is drawn from them (pageable parameters: staged before
+      // the call returns).
+      for (int i = g; i < n; i += kPrefillChunk) {
+        const int m = std::min(kPrefillChunk, n - i);
+        const bool last = i + m == n, draw = last && r == 0 && on_gpu(*j);
+        int32_t pos[kPrefillChunk];
+        for (int b = 0; b < m; ++b) pos[b] = pos0 + i + b;
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(p.tokens(), j->tokens.data() + i, size_t(m) * 4, cudaMemcpyHostToDevice, s));
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(p.positions(), pos, size_t(m) * 4, cudaMemcpyHostToDevice, s));
+        if (draw) {
+          const SampleParams pp = sample_params(j->sample->options, j->sample->draw);
+          KESTREL_CUDA_CHECK(
+              cudaMemcpyAsync(p.sample_params() + (m - 1), &pp, sizeof(SampleParams), cudaMemcpyHostToDevice, s));
+        }
+        p.step_graph(m, false, s, j->all_logits ? Decoder::Logits::All : Decoder::Logits::Last, draw);
+        if (!last) continue;
+        if (draw)
+          KESTREL_CUDA_CHECK(cudaMemcpyAsync(drawn_prefill + j->slot, p.next() + (m - 1), 4, cudaMemcpyDeviceToHost, s));
+        else if (r == 0 && j->all_logits)  // a verification (m == n): every row (pageable: done when the call returns)
+          KESTREL_CUDA_CHECK(cudaMemcpyAsync(j->logits, p.logits(), size_t(m) * V * 4, cudaMemcpyDeviceToHost, s));
+        else if (r == 0 && j->logits)
+          KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits_ + size_t(j->slot) * V, p.logits() + size_t(m - 1) * V, V * 4,
+                                             cudaMemcpyDeviceToHost, s));
+      }
     }
     if (rows > 0) {
       KESTREL_CUDA_CHECK(cudaMemcpyAsync(dec.tokens(), tokens.data(), size_t(rows) * 4, cudaMemcpyHostToDevice, s));

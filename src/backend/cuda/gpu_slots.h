@@ -1,7 +1,8 @@
 // The engine's sequences on the GPU (runtime/sequence_slots.h): slot i is row i of one batched
 // decoder; a step runs one token for every slot that decodes as one CUDA graph replay (per GPU
-// when split), and up to 64 prompt tokens for every slot that prefills (one one-sequence decoder
-// per GPU, working in the slot's blocks). A job that offers to sample with options the GPU can
+// when split), and a chunk of prompt tokens for every slot that prefills, in the slot's blocks:
+// through the GEMM prefill (prefill_gemm.h) where the model takes it and the chunk has
+// Session::kGemmMinTokens tokens or more, else on a one-sequence decoder per GPU, 64 at a time. A job that offers to sample with options the GPU can
 // apply (no penalties) gets its token drawn inside the graph (sample.h) and copied back (4
 // bytes); the others get their logits copied back for the host's samplers, and a verification
 // (speculative decoding) every row's.
@@ -15,6 +16,7 @@
 
 #include "backend/cuda/decoder.h"
 #include "backend/cuda/gpu_model.h"
+#include "backend/cuda/prefill_gemm.h"
 #include "runtime/kv_block_tables.h"
 #include "runtime/sequence_slots.h"
 
@@ -35,9 +37,19 @@ class GpuSlots final : public SequenceSlots {
   ~GpuSlots() override;
 
   int slots() const override { return tables_.slots(); }
-  // Positions per prefill step (as Session's chunk: each step reads the weights its tokens touch once).
+  // Positions per step of the one-sequence decoder (as Session's chunk: each step reads the
+  // weights its tokens touch once).
   static constexpr int kPrefillChunk = 64;
-  int64_t max_chunk() const override { return kPrefillChunk; }
+  // Positions per GEMM prefill chunk: a prompt's chunk is one step of the engine, which the
+  // decoding streams wait for (serve's --prefill-chunk and --step-tokens bound it). Its scratch
+  // (~0.4 GB at 2048 on Qwen3-30B-A3B shapes, ~1 GB on GLM-4.5-Air's) is taken on the first
+  // chunk that uses it, from what the KV pool left; where it does not fit, prompts stay on the
+  // decoder (announced once).
+  static constexpr int kGemmChunk = 2048;
+  // Tokens per slot and step: the GEMM prefill's chunk where it takes the model, else 64.
+  int64_t max_chunk() const override { return gemm_chunk_ > 0 ? gemm_chunk_ : kPrefillChunk; }
+  // Whether prompts go through the GEMM prefill (one GPU, a model it takes).
+  bool gemm_prefill() const { return gemm_chunk_ > 0; }
   Opened open(int64_t positions, std::span<const int32_t> prompt) override;
   void close(int slot) override { tables_.close(slot); }
   bool prefix_cache() const override { return tables_.ids().prefix_cache(); }
@@ -62,6 +74,9 @@ class GpuSlots final : public SequenceSlots {
   KvBlockTables tables_;
   std::vector<std::unique_ptr<Decoder>> decs_;     // per rank: the batched step over every slot
   std::vector<std::unique_ptr<Decoder>> prefill_;  // per rank: one slot's prompt, in the slot's blocks
+  int gemm_chunk_ = 0;                 // the GEMM prefill's chunk where it takes the model, else 0
+  std::unique_ptr<GemmPrefill> gemm_;  // made on the first chunk it runs, into prefill_[0]'s cache
+  bool gemm_failed_ = false;           // its scratch did not fit: prompts stay on the decoder
   std::vector<int32_t> pos_;  // next position of each slot
   std::vector<PrefixChain> chains_;  // per slot
   float* logits_ = nullptr;   // pinned [slots, vocab]
