@@ -17,6 +17,7 @@
 #include "backend/cuda/device_model.h"
 #include "backend/cuda/expert_sort.h"
 #include "backend/cuda/moe_gemm.h"
+#include "backend/cuda/prefill_attention.h"
 #include "backend/cuda/prefill_gemm.h"
 #include "backend/cuda/session.h"
 #include "backend/cuda/weights_bf16.h"
@@ -24,6 +25,7 @@
 #include "device_buffer.h"
 #include "formats/json_file.h"
 #include "model/weights.h"
+#include "paged_kv.h"
 
 namespace kestrel {
 namespace {
@@ -290,6 +292,114 @@ TEST(CudaPrefillOps, MoeGemmMatchesCpu) {
   }
 }
 
+
+// The prefill's causal attention on tensor cores (prefill_attention.h) against a double-precision
+// reference over the values the cache holds: both cache types, every head size it takes, GQA
+// ratios 1 and 3 (one query head per CTA), 4 and 8 (4 and 8 heads sharing a CTA's K and V
+// tiles), a first chunk and later ones, of 1, 70, 100 and 200 rows (partial query tiles; partial
+// KV tiles). The block table is shuffled and every row the sequence does not hold is NaN (other
+// blocks, and the positions past the chunk's last in its own last block), so a read past the
+// chunk or into another block shows as NaN; the output starts as NaN, so a row left out does too.
+//
+// Tolerance: Q, K and V (float32 cache), the softmax weights and the output each go through
+// BF16 (relative 2^-9 at most). Each moves a row's output by about its own relative rounding,
+// whatever the row's length (errors of random sign average as the values do). A simulation of
+// the kernel's arithmetic (numpy, these shapes: 12.6k rows per head size and cache type) gave,
+// relative to each row's norm, 3.6e-3 to 3.9e-3 RMS over a float32 cache and 1.1e-2 to 1.2e-2
+// at worst at hd 16 and 32 (few values: the noisiest norms; 8.5e-3 at hd 128); 2.7e-3 RMS and
+// 9e-3 at worst over a BF16 cache (K and V exact); the output's rounding alone (the decode
+// step's kernels, then BF16) 1.6e-3 RMS. 2e-2 leaves 1.7x on the worst row of the simulation.
+// Each row seeing one key more (the mask one position off, measured
+// below on the same data) moves the median row of ~350 keys by ~1.6e-2 but the worst of 400 such
+// rows by 0.25 or more (a row whose extra key scores high), and rows of few keys by O(1): the
+// test requires that worst to exceed 3x the tolerance, so a mask off by one would fail it; a
+// wrong KV head (an unrelated output) or a missing KV tile moves rows by O(1).
+TEST(CudaPrefillOps, PrefillAttentionMatchesCpu) {
+  constexpr double kTol = 2e-2;
+  struct Heads {
+    int nq, nkv;
+  };
+  struct Chunk {
+    int n, pos;
+  };
+  const Heads heads[] = {{4, 4}, {6, 2}, {8, 2}, {16, 2}};
+  const Chunk chunks[] = {{1, 0}, {70, 0}, {200, 37}, {1, 37}, {100, 300}};
+  std::mt19937 rng(29);
+  for (const cuda::KvType type : {cuda::KvType::F32, cuda::KvType::BF16})
+    for (const int hd : {16, 32, 64, 128}) {
+      double worst = 0, least_shifted = INFINITY;  // over the cases: the worst row, the least worst shifted row
+      for (const Heads& h : heads)
+        for (const Chunk& ch : chunks) {
+          const std::string what = std::string(cuda::kv_type_name(type)) + " cache, hd " + std::to_string(hd) + ", " +
+                                   std::to_string(h.nq) + " / " + std::to_string(h.nkv) + " heads, " +
+                                   std::to_string(ch.n) + " rows at " + std::to_string(ch.pos);
+          SCOPED_TRACE(what);
+          const int total = ch.pos + ch.n, row = h.nkv * hd, group = h.nq / h.nkv;
+          test::PagedKv kv(1, total, row, true, rng, 5, type);
+          std::vector<float> keys(size_t(total) * row), values(keys.size());  // as the cache holds them
+          std::normal_distribution<float> nd(0.0f, 1.0f);
+          for (int p = 0; p < total; ++p)
+            for (int i = 0; i < row; ++i) {
+              const float k = nd(rng), v = nd(rng);
+              kv.k(0, p)[i] = k, kv.v(0, p)[i] = v;
+              keys[size_t(p) * row + i] = type == cuda::KvType::BF16 ? test::bf16_round(k) : k;
+              values[size_t(p) * row + i] = type == cuda::KvType::BF16 ? test::bf16_round(v) : v;
+            }
+          kv.upload();
+          const std::vector<float> q = test::random_floats(size_t(ch.n) * h.nq * hd, rng);
+          DeviceBuffer<float> dq(q);
+          DeviceBuffer<uint16_t> out(q.size());
+          out.poison();
+          const float scale = 1.0f / std::sqrt(float(hd));
+          cuda::launch_prefill_attention(dq.get(), ch.n, h.nq, h.nkv, hd, scale, ch.pos, kv.layer(true),
+                                         reinterpret_cast<__nv_bfloat16*>(out.get()), nullptr);
+          const std::vector<uint16_t> got = out.download();
+          // Each (row, head) against its own norm; the same with one key more where there is one.
+          double case_worst = 0, case_shifted = 0;
+          std::vector<double> score(static_cast<size_t>(total)), o(static_cast<size_t>(hd));
+          for (int r = 0; r < ch.n; ++r)
+            for (int hq = 0; hq < h.nq; ++hq) {
+              const float* qr = q.data() + (size_t(r) * h.nq + hq) * hd;
+              const size_t kvh = size_t(hq / group) * hd;
+              const int lim = ch.pos + r, top = std::min(lim + 1, total - 1);  // keys 0 .. lim; the shift's lim + 1
+              double mx = -INFINITY;
+              for (int j = 0; j <= top; ++j) {
+                double dot = 0;
+                for (int d = 0; d < hd; ++d) dot += double(qr[d]) * keys[size_t(j) * row + kvh + d];
+                score[size_t(j)] = dot * scale;
+                if (j <= lim) mx = std::max(mx, score[size_t(j)]);
+              }
+              double sum = 0;
+              std::fill(o.begin(), o.end(), 0.0);
+              for (int j = 0; j <= lim; ++j) {
+                const double e = std::exp(score[size_t(j)] - mx);
+                sum += e;
+                for (int d = 0; d < hd; ++d) o[size_t(d)] += e * values[size_t(j) * row + kvh + d];
+              }
+              const double e1 = top > lim ? std::exp(score[size_t(top)] - mx) : 0.0;
+              double err = 0, shift = 0, norm = 0;
+              for (int d = 0; d < hd; ++d) {
+                const double want = o[size_t(d)] / sum;
+                const double moved = (o[size_t(d)] + e1 * values[size_t(top) * row + kvh + d]) / (sum + e1);
+                const float g = bf16_to_f32(got[(size_t(r) * h.nq + hq) * hd + d]);
+                err += std::isfinite(g) ? (g - want) * (g - want) : INFINITY;
+                shift += (moved - want) * (moved - want);
+                norm += want * want;
+              }
+              case_worst = std::max(case_worst, std::sqrt(err / norm));
+              if (top > lim) case_shifted = std::max(case_shifted, std::sqrt(shift / norm));
+            }
+          EXPECT_LE(case_worst, kTol) << "worst row";
+          if (ch.n > 1) {
+            EXPECT_GT(case_shifted, 3 * kTol) << "a mask one key off would pass";
+            least_shifted = std::min(least_shifted, case_shifted);
+          }
+          worst = std::max(worst, case_worst);
+        }
+      std::printf("  prefill attention, %s cache, hd %d: worst row rel err %.1e (mask one key off: %.1e at least)\n",
+                  cuda::kv_type_name(type), hd, worst, least_shifted);
+    }
+}
 
 class CudaPrefillTest : public ::testing::TestWithParam<std::string> {};
 

@@ -7,6 +7,7 @@
 #include "backend/cuda/gemv.h"
 #include "backend/cuda/misc.h"
 #include "backend/cuda/norm_rope.h"
+#include "backend/cuda/prefill_attention.h"
 #include "backend/cuda/prefill_gemm.h"
 
 namespace kestrel::cuda {
@@ -120,7 +121,7 @@ GemmPrefill::GemmPrefill(const DeviceModel& m, const Decoder& cache, int max_chu
   q_ = buffer<float>(N * nq * hd);
   k_ = buffer<float>(N * nkv * hd);
   v_ = buffer<float>(N * nkv * hd);
-  att_ = buffer<float>(N * nq * hd);
+  if (!prefill_attention_takes(int(hd), cache.kv_type())) att_ = buffer<float>(N * nq * hd);  // the fallback's output
   h_ = buffer<float>(2 * act);
   act_ = buffer<__nv_bfloat16>(act);
   w_ = buffer<__nv_bfloat16>(convert);
@@ -193,8 +194,14 @@ void GemmPrefill::attention(int layer, int n, int pos, cudaStream_t s) {
   const KvLayer kvl = cache_.kv(layer);
   // Every row's key and value are in the cache before any row attends: causal over the chunk.
   launch_qk_rope_store(q_, k_, v_, n, nq, nkv, hd, L.q_norm, L.k_norm, c.rms_norm_eps, rope, positions_, kvl, s);
-  // The decode step's attention, a slice of rows at a time (its split scratch grows with the rows).
   const float scale = 1.0f / std::sqrt(float(hd));
+  if (prefill_attention_takes(hd, kvl.type)) {  // on tensor cores, straight into the o projection's BF16 input
+    launch_prefill_attention(q_, n, nq, nkv, hd, scale, pos, kvl, xb_, s);
+    linear(L.o, xb_, n, x_, int(c.hidden_size), true, s);
+    return;
+  }
+  // Other head sizes: the decode step's attention, a slice of rows at a time (its split scratch
+  // grows with the rows), converted to BF16 after.
   const size_t row = size_t(nq) * size_t(hd);
   for (int r0 = 0; r0 < n; r0 += kAttentionRows) {
     const int rows = std::min(kAttentionRows, n - r0);

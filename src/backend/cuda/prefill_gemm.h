@@ -4,10 +4,11 @@
 // converted to BF16 one matrix at a time into a scratch buffer, never the whole model. The MoE
 // sorts the chunk's (token, slot) pairs by expert on the device (expert_sort.h) and runs the
 // routed experts as grouped GEMMs with the NVFP4 dequantized in their main loop and the tiles
-// counted on the device (moe_gemm.h): no host synchronization. Attention is the decode step's
-// kernels over the chunk's rows (correct for a chunk, on CUDA cores: the next step is attention
-// on tensor cores). Keys and values go into a one-sequence Decoder's KV cache, so decoding
-// continues there. docs/PERF.md v38 has the design, v40 the grouped expert GEMM.
+// counted on the device (moe_gemm.h): no host synchronization. Attention is causal over the
+// cache on tensor cores (prefill_attention.h), or for head sizes that kernel does not take the
+// decode step's kernels over the chunk's rows. Keys and values go into a one-sequence Decoder's
+// KV cache, so decoding continues there. docs/PERF.md v38 has the design, v40 the grouped
+// expert GEMM.
 #pragma once
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -70,10 +71,11 @@ class GemmPrefill {
   cublasHandle_t blas_ = nullptr;
   std::vector<void*> buffers_;
   int32_t *tokens_ = nullptr, *positions_ = nullptr;
-  float *x_ = nullptr, *xn_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *att_ = nullptr;
+  float *x_ = nullptr, *xn_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr;
+  float* att_ = nullptr;  // the decode step's attention output, for head sizes prefill_attention_takes refuses
   float *h_ = nullptr, *out_logits_ = nullptr;
   __nv_bfloat16 *xb_ = nullptr, *act_ = nullptr, *w_ = nullptr;  // w_: the converted weights
-  float* att_scratch_ = nullptr;
+  float* att_scratch_ = nullptr;  // its split scratch
   size_t att_scratch_floats_ = 0;
   // MoE: router weights as float32 and its logits, each token's experts and weights, the sort,
   // the gathered input rows (in the grouped GEMM's MMA order, as are the routed experts'
