@@ -284,8 +284,8 @@ TEST(CudaServe, SpeculationGivesTheCpuEnginesGreedyTokens) {
 }
 
 // Prompt chunks of Session::kGemmMinTokens tokens and more run through the GEMM prefill in the
-// slots' own KV blocks, beside a shorter chunk on the decoder in pieces of 64 and, in the same
-// run, tokens drawn on the GPU and decoding sequences. Each slot's logits match the CPU's within
+// slots' own KV blocks, beside a shorter chunk on the decoder and, in the same run, tokens drawn
+// on the GPU and decoding sequences. Each slot's logits match the CPU's within
 // the GEMM prefill's tolerance (test_cuda_prefill.cpp), equal a Session's GEMM prefill of the
 // same prompt (so the path was taken: the decoder's rounding differs), and decoding goes on from
 // the cache the chunks filled.
@@ -317,9 +317,9 @@ TEST(CudaServe, LongPromptChunksRunThroughTheGemmPrefill) {
     return out;
   };
 
-  // Run 1: a's whole prompt (the GEMM prefill, logits to the host), b's first 130 tokens (the
-  // decoder: 64 + 64 + 2, no logits), c's whole prompt with a greedy draw offered (the GEMM
-  // prefill for 289 tokens, the decoder's step draws after the last).
+  // Run 1: a's whole prompt (the GEMM prefill, logits to the host), b's first 40 tokens (the
+  // decoder, no logits), c's whole prompt with a greedy draw offered (the GEMM prefill for 289
+  // tokens, the decoder's step draws after the last).
   const int sa = slots.open(context, a).slot, sb = slots.open(context, b).slot, sc = slots.open(context, c).slot;
   std::vector<float> la(size_t(V), std::nanf("")), lb(size_t(V), std::nanf("")), lc(size_t(V), std::nanf(""));
   int32_t drawn = -1;
@@ -328,7 +328,7 @@ TEST(CudaServe, LongPromptChunksRunThroughTheGemmPrefill) {
   greedy.token = &drawn;
   std::vector<SequenceSlots::Job> jobs(3);
   jobs[0].slot = sa, jobs[0].tokens = a, jobs[0].logits = la.data();
-  jobs[1].slot = sb, jobs[1].tokens = {b.data(), 130};
+  jobs[1].slot = sb, jobs[1].tokens = {b.data(), 40};
   jobs[2].slot = sc, jobs[2].tokens = c, jobs[2].logits = lc.data(), jobs[2].sample = &greedy;
   slots.run(jobs);
   const auto want_a = cpu_logits(a, {5}), want_c = cpu_logits(c, {});
@@ -347,21 +347,21 @@ TEST(CudaServe, LongPromptChunksRunThroughTheGemmPrefill) {
     std::printf("  a: GEMM prefill in the slots vs CPU %.2e, vs a Session's %.2e\n", e_a, e_same);
   }
 
-  // Run 2: b's other 290 tokens (the GEMM prefill from position 130, after the decoder's), a and
+  // Run 2: b's other 380 tokens (the GEMM prefill from position 40, after the decoder's), a and
   // c decode a token each in the batched step.
   const int32_t next_a = 5, next_c = drawn;
   std::vector<float> la2(size_t(V), std::nanf("")), lc2(size_t(V), std::nanf(""));
   jobs[0].tokens = {&next_a, 1}, jobs[0].logits = la2.data();
-  jobs[1].tokens = {b.data() + 130, b.size() - 130}, jobs[1].logits = lb.data();
+  jobs[1].tokens = {b.data() + 40, b.size() - 40}, jobs[1].logits = lb.data();
   jobs[2].tokens = {&next_c, 1}, jobs[2].logits = lc2.data(), jobs[2].sample = nullptr;
   slots.run(jobs);
   const auto want_b = cpu_logits(b, {}), want_c2 = cpu_logits(c, {drawn});
   const double e_a2 = test::rel_l2(la2.data(), want_a[1].data(), V), e_b = test::rel_l2(lb.data(), want_b[0].data(), V),
                e_c2 = test::rel_l2(lc2.data(), want_c2[1].data(), V);
   EXPECT_LE(e_a2, kGemmVsCpu) << "a's token decoded after the GEMM prefill";
-  EXPECT_LE(e_b, kGemmVsCpu) << "b's last prompt position (decoder, then the GEMM prefill)";
+  EXPECT_LE(e_b, kGemmVsCpu) << "b's last prompt position (the decoder, then the GEMM prefill)";
   EXPECT_LE(e_c2, kGemmVsCpu) << "c's token decoded after the GEMM prefill and the draw";
-  std::printf("  decoded after: a %.2e, c %.2e; b (130 on the decoder + 290) %.2e\n", e_a2, e_c2, e_b);
+  std::printf("  decoded after: a %.2e, c %.2e; b (40 on the decoder + 380) %.2e\n", e_a2, e_c2, e_b);
 }
 
 // GpuSlots refuses what it cannot run, naming the numbers.

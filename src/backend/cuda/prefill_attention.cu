@@ -40,7 +40,6 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/kv_paged.cuh"
 #include "backend/cuda/prefill_attention.h"
-#include "common/env.h"
 
 namespace kestrel::cuda {
 namespace {
@@ -353,10 +352,7 @@ void launch_type(int hd, const Args& a, cudaStream_t s) {
 
 }  // namespace
 
-bool prefill_attention_takes(int hd, KvType type) {
-  static const bool on = env_switch("KESTREL_PREFILL_ATTENTION");
-  return on && head_size_taken(hd, type);
-}
+bool prefill_attention_takes(int hd, KvType type) { return head_size_taken(hd, type); }
 
 void launch_prefill_attention(const float* q, int n, int nq, int nkv, int hd, float scale, int pos,
                               const KvLayer& cache, __nv_bfloat16* out, cudaStream_t s) {

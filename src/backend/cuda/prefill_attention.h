@@ -14,14 +14,13 @@ namespace kestrel::cuda {
 
 // Whether the GEMM prefill runs its attention here for heads of hd values in a cache of `type`:
 // hd 16, 32, 64 or 128 (one kernel per size; larger heads would not fit the registers), float32
-// or BF16 values. KESTREL_PREFILL_ATTENTION=0: never (the decode step's kernels; A/B runs).
+// or BF16 values.
 bool prefill_attention_takes(int hd, KvType type);
 
 // q: float32 [n, nq, hd], ready (QK norm and rotation done), rows = positions pos .. pos + n - 1 of
 // the one sequence of `cache` (table_stride 0: its block table is row 0), whose positions
 // 0 .. pos + n - 1 are cached (rows of nkv * hd values). Row r's query head h attends to positions
 // 0 .. pos + r of KV head h / (nq / nkv) with scores q.k x scale. out: BF16 [n, nq * hd].
-// Any head size prefill_attention_takes names, whatever KESTREL_PREFILL_ATTENTION says.
 // Q, K, V and the softmax weights go into the products as BF16 (the weights sum to one as
 // rounded); everything else is float32.
 void launch_prefill_attention(const float* q, int n, int nq, int nkv, int hd, float scale, int pos,

@@ -32,11 +32,10 @@ class Session {
   // chunks amortize it; its scratch grows with the chunk (~2 GB at 4096 on Qwen3-30B-A3B shapes,
   // allocated on the first prompt that takes the path).
   static constexpr int kDefaultGemmChunk = 4096;
-  // Shorter prompts keep the decode step's chunks. Measured on an H200 (docs/PERF.md v40): at 256
-  // tokens the GEMM prefill is 3.2x faster; from 256 and 512 tokens it costs ~7 ms a chunk plus
-  // ~0.05 ms a token on Qwen3-30B-A3B against ~0.26 ms a token, which puts the crossing near 40
-  // tokens, not yet measured: until it is, the threshold stays where the gain was measured.
-  static constexpr int kGemmMinTokens = 256;
+  // Shorter prompts keep the decode step's chunks. Measured on an H100 (docs/PERF.md v42,
+  // Qwen3-30B-A3B): the GEMM prefill takes 0.93x the decode step's time at 32 tokens (10.9
+  // against 10.1 ms), 1.45x less at 64 (12.0 against 17.5), 2.4x at 128.
+  static constexpr int kGemmMinTokens = 64;
   // kv: the type of the cached keys and values (KvSource::type). gemm_chunk: the GEMM prefill's
   // chunk, 0 for none (it is used where GemmPrefill::unsupported says the model can take it);
   // gemm_min_tokens: the shortest run it takes (the bench times it at any length with 1).
