@@ -283,9 +283,9 @@ TEST(CudaServe, SpeculationGivesTheCpuEnginesGreedyTokens) {
   }
 }
 
-// Prompt chunks of Session::kGemmMinTokens tokens and more run through the GEMM prefill in the
-// slots' own KV blocks, beside a shorter chunk on the decoder and, in the same run, tokens drawn
-// on the GPU and decoding sequences. Each slot's logits match the CPU's within
+// Prompts of GpuSlots::kGemmMinPrompt tokens and more run through the GEMM prefill in the slots'
+// own KV blocks, every chunk of them (a short first chunk too), beside a short prompt on the
+// decoder and, in the same run, tokens drawn on the GPU and decoding sequences. Each slot's logits match the CPU's within
 // the GEMM prefill's tolerance (test_cuda_prefill.cpp), equal a Session's GEMM prefill of the
 // same prompt (so the path was taken: the decoder's rounding differs), and decoding goes on from
 // the cache the chunks filled.
@@ -295,7 +295,7 @@ TEST(CudaServe, LongPromptChunksRunThroughTheGemmPrefill) {
   const int64_t V = model->config.vocab_size;
   const int context = 640;
   cuda::GpuModel on_gpu(*model, Layout{1, 1});
-  cuda::GpuSlots slots(on_gpu, 3, context, 0);
+  cuda::GpuSlots slots(on_gpu, 4, context, 0);
   ASSERT_TRUE(slots.gemm_prefill());
   EXPECT_EQ(slots.max_chunk(), std::min(cuda::GpuSlots::kGemmChunk, context));
   auto prompt = [&](int n, int salt) {
@@ -303,7 +303,7 @@ TEST(CudaServe, LongPromptChunksRunThroughTheGemmPrefill) {
     for (int i = 0; i < n; ++i) p[size_t(i)] = int32_t((31 * salt + 7 * i + i * i / 5) % V);
     return p;
   };
-  const std::vector<int32_t> a = prompt(300, 1), b = prompt(420, 2), c = prompt(290, 3);
+  const std::vector<int32_t> a = prompt(300, 1), b = prompt(420, 2), c = prompt(290, 3), d = prompt(200, 4);
   ThreadPool pool(2);
   cpu::Forward fwd(*model, pool);
   // The CPU's logits after `p` and then after each of `more`.
@@ -318,22 +318,29 @@ TEST(CudaServe, LongPromptChunksRunThroughTheGemmPrefill) {
   };
 
   // Run 1: a's whole prompt (the GEMM prefill, logits to the host), b's first 40 tokens (the
-  // decoder, no logits), c's whole prompt with a greedy draw offered (the GEMM prefill for 289
-  // tokens, the decoder's step draws after the last).
+  // GEMM prefill: b is long; no logits), c's whole prompt with a greedy draw offered (the GEMM
+  // prefill for 289 tokens, the decoder's step draws after the last), d's whole prompt (shorter
+  // than kGemmMinPrompt: the decoder, 64 tokens a step).
   const int sa = slots.open(context, a).slot, sb = slots.open(context, b).slot, sc = slots.open(context, c).slot;
+  const int sd = slots.open(context, d).slot;
   std::vector<float> la(size_t(V), std::nanf("")), lb(size_t(V), std::nanf("")), lc(size_t(V), std::nanf(""));
   int32_t drawn = -1;
   SequenceSlots::Sample greedy;
   greedy.options.temperature = 0.0f;
   greedy.token = &drawn;
-  std::vector<SequenceSlots::Job> jobs(3);
+  std::vector<float> ld(size_t(V), std::nanf(""));
+  std::vector<SequenceSlots::Job> jobs(4);
   jobs[0].slot = sa, jobs[0].tokens = a, jobs[0].logits = la.data();
   jobs[1].slot = sb, jobs[1].tokens = {b.data(), 40};
   jobs[2].slot = sc, jobs[2].tokens = c, jobs[2].logits = lc.data(), jobs[2].sample = &greedy;
+  jobs[3].slot = sd, jobs[3].tokens = d, jobs[3].logits = ld.data();
   slots.run(jobs);
-  const auto want_a = cpu_logits(a, {5}), want_c = cpu_logits(c, {});
+  jobs.pop_back();
+  const auto want_a = cpu_logits(a, {5}), want_c = cpu_logits(c, {}), want_d = cpu_logits(d, {});
   const double e_a = test::rel_l2(la.data(), want_a[0].data(), V);
   EXPECT_LE(e_a, kGemmVsCpu) << "a's last prompt position";
+  const double e_d = test::rel_l2(ld.data(), want_d[0].data(), V);
+  EXPECT_LE(e_d, 1e-4) << "d's last prompt position (the decoder: its float32 precision)";
   ASSERT_GE(drawn, 0);
   ASSERT_LT(drawn, V);
   const float best = *std::max_element(want_c[0].begin(), want_c[0].end());
@@ -344,11 +351,12 @@ TEST(CudaServe, LongPromptChunksRunThroughTheGemmPrefill) {
     alone.run(a, ref.data());
     const double e_same = test::rel_l2(la.data(), ref.data(), V);
     EXPECT_LE(e_same, 1e-5) << "a's logits against a Session's GEMM prefill of the same prompt";
-    std::printf("  a: GEMM prefill in the slots vs CPU %.2e, vs a Session's %.2e\n", e_a, e_same);
+    std::printf("  a: GEMM prefill in the slots vs CPU %.2e, vs a Session's %.2e; d (200 tokens, the decoder) %.2e\n",
+                e_a, e_same, e_d);
   }
 
-  // Run 2: b's other 380 tokens (the GEMM prefill from position 40, after the decoder's), a and
-  // c decode a token each in the batched step.
+  // Run 2: b's other 380 tokens (the GEMM prefill from position 40), a and c decode a token each
+  // in the batched step.
   const int32_t next_a = 5, next_c = drawn;
   std::vector<float> la2(size_t(V), std::nanf("")), lc2(size_t(V), std::nanf(""));
   jobs[0].tokens = {&next_a, 1}, jobs[0].logits = la2.data();
@@ -359,9 +367,9 @@ TEST(CudaServe, LongPromptChunksRunThroughTheGemmPrefill) {
   const double e_a2 = test::rel_l2(la2.data(), want_a[1].data(), V), e_b = test::rel_l2(lb.data(), want_b[0].data(), V),
                e_c2 = test::rel_l2(lc2.data(), want_c2[1].data(), V);
   EXPECT_LE(e_a2, kGemmVsCpu) << "a's token decoded after the GEMM prefill";
-  EXPECT_LE(e_b, kGemmVsCpu) << "b's last prompt position (the decoder, then the GEMM prefill)";
+  EXPECT_LE(e_b, kGemmVsCpu) << "b's last prompt position (chunks of 40 and 380)";
   EXPECT_LE(e_c2, kGemmVsCpu) << "c's token decoded after the GEMM prefill and the draw";
-  std::printf("  decoded after: a %.2e, c %.2e; b (40 on the decoder + 380) %.2e\n", e_a2, e_c2, e_b);
+  std::printf("  decoded after: a %.2e, c %.2e; b (40 + 380) %.2e\n", e_a2, e_c2, e_b);
 }
 
 // GpuSlots refuses what it cannot run, naming the numbers.

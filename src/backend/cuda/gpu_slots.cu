@@ -5,7 +5,6 @@
 #include <cstring>
 
 #include "backend/cuda/check.h"
-#include "backend/cuda/session.h"
 
 namespace kestrel::cuda {
 namespace {
@@ -60,7 +59,8 @@ GpuSlots::GpuSlots(const GpuModel& model, int slots, int context, int64_t kv_pos
     borrow.borrow = decs_[size_t(r)].get();
     prefill_[size_t(r)] = std::make_unique<Decoder>(model.part(r), kPrefillChunk, context, true, model.link(r), borrow);
   });
-  if (ranks == 1 && !model.link(0) && context >= Session::kGemmMinTokens &&
+  gemm_prompt_.assign(size_t(slots), 0);
+  if (ranks == 1 && !model.link(0) && context >= kGemmMinPrompt &&
       GemmPrefill::unsupported(model.part(0)).empty())
     gemm_chunk_ = std::min(kGemmChunk, context);
   KESTREL_CUDA_CHECK(cudaSetDevice(0));
@@ -98,6 +98,7 @@ SequenceSlots::Opened GpuSlots::open(int64_t positions, std::span<const int32_t>
           tables_.ids().match(prompt, (int64_t(prompt.size()) - 1) / KvBlocks::kBlock, &hashes);
       tables_.open(i, positions, cached);
       chains_[size_t(i)].start(prompt, hashes);
+      gemm_prompt_[size_t(i)] = gemm_chunk_ > 0 && prompt.size() >= size_t(kGemmMinPrompt);
       pos_[size_t(i)] = int32_t(cached.size()) * KvBlocks::kBlock;
       return {i, pos_[size_t(i)]};
     }
@@ -137,11 +138,12 @@ void GpuSlots::run(std::span<const Job> jobs) {
   // Jobs whose next token is drawn on the GPU (sample.h) rather than on the host. Only rank 0
   // samples (the other ranks' next tokens are not read); rows that do not sample stay greedy.
   auto on_gpu = [](const Job& j) { return j.logits && j.sample && !needs_history(j.sample->options); };
-  // Leading tokens of a prompt chunk that the GEMM prefill runs: all of them, or all but the last
-  // where that token's row draws on the GPU (the decoder's step samples; the GEMM prefill has logits only).
+  // Leading tokens of a long prompt's chunk that the GEMM prefill runs: all of them, or all but
+  // the last where that token's row draws on the GPU (the decoder's step samples; the GEMM
+  // prefill has logits only).
   auto gemm_tokens = [&](const Job& j) {
     const int n = int(j.tokens.size());
-    if (gemm_chunk_ == 0 || gemm_failed_ || j.all_logits || n < Session::kGemmMinTokens) return 0;
+    if (!gemm_prompt_[size_t(j.slot)] || gemm_failed_ || j.all_logits) return 0;
     return on_gpu(j) ? n - 1 : n;
   };
   for (const Job* j : prefill)

@@ -1,8 +1,8 @@
 // The engine's sequences on the GPU (runtime/sequence_slots.h): slot i is row i of one batched
 // decoder; a step runs one token for every slot that decodes as one CUDA graph replay (per GPU
 // when split), and a chunk of prompt tokens for every slot that prefills, in the slot's blocks:
-// through the GEMM prefill (prefill_gemm.h) where the model takes it and the chunk has
-// Session::kGemmMinTokens tokens or more, else on a one-sequence decoder per GPU, 64 at a time. A job that offers to sample with options the GPU can
+// through the GEMM prefill (prefill_gemm.h) where the model takes it and the prompt has
+// kGemmMinPrompt tokens or more, else on a one-sequence decoder per GPU, 64 at a time. A job that offers to sample with options the GPU can
 // apply (no penalties) gets its token drawn inside the graph (sample.h) and copied back (4
 // bytes); the others get their logits copied back for the host's samplers, and a verification
 // (speculative decoding) every row's.
@@ -46,6 +46,11 @@ class GpuSlots final : public SequenceSlots {
   // chunk that uses it, from what the KV pool left; where it does not fit, prompts stay on the
   // decoder (announced once).
   static constexpr int kGemmChunk = 2048;
+  // Prompts of this many tokens and more prefill through the GEMM prefill, every chunk of them,
+  // so that a prompt's path depends on its length, not on how a step's budget cut it: the GEMM
+  // prefill's BF16 products differ from the decoder's by ~1e-3 (docs/PERF.md v42), and a reply
+  // should be the same alone or among many. Shorter prompts stay on the decoder.
+  static constexpr int kGemmMinPrompt = 256;
   // Tokens per slot and step: the GEMM prefill's chunk where it takes the model, else 64.
   int64_t max_chunk() const override { return gemm_chunk_ > 0 ? gemm_chunk_ : kPrefillChunk; }
   // Whether prompts go through the GEMM prefill (one GPU, a model it takes).
@@ -75,6 +80,7 @@ class GpuSlots final : public SequenceSlots {
   std::vector<std::unique_ptr<Decoder>> decs_;     // per rank: the batched step over every slot
   std::vector<std::unique_ptr<Decoder>> prefill_;  // per rank: one slot's prompt, in the slot's blocks
   int gemm_chunk_ = 0;                 // the GEMM prefill's chunk where it takes the model, else 0
+  std::vector<char> gemm_prompt_;      // per slot: its prompt prefills through the GEMM prefill
   std::unique_ptr<GemmPrefill> gemm_;  // made on the first chunk it runs, into prefill_[0]'s cache
   bool gemm_failed_ = false;           // its scratch did not fit: prompts stay on the decoder
   std::vector<int32_t> pos_;  // next position of each slot
