@@ -285,9 +285,10 @@ TEST(CudaServe, SpeculationGivesTheCpuEnginesGreedyTokens) {
 
 // Prompts of GpuSlots::kGemmMinPrompt tokens and more run through the GEMM prefill in the slots'
 // own KV blocks, every chunk of them (a short first chunk too), beside a short prompt on the
-// decoder and, in the same run, tokens drawn on the GPU and decoding sequences. Each slot's logits match the CPU's within
-// the GEMM prefill's tolerance (test_cuda_prefill.cpp), equal a Session's GEMM prefill of the
-// same prompt (so the path was taken: the decoder's rounding differs), and decoding goes on from
+// decoder and, in the same run, tokens drawn on the GPU and decoding sequences. Each long
+// prompt's logits match the CPU's within the GEMM prefill's tolerance (test_cuda_prefill.cpp)
+// and equal a Session's GEMM prefill of the same prompt (so the path was taken: the decoder's
+// rounding differs), the short one's the CPU's to float32 precision, and decoding goes on from
 // the cache the chunks filled.
 TEST(CudaServe, LongPromptChunksRunThroughTheGemmPrefill) {
   constexpr double kGemmVsCpu = 2e-2;
@@ -324,11 +325,11 @@ TEST(CudaServe, LongPromptChunksRunThroughTheGemmPrefill) {
   const int sa = slots.open(context, a).slot, sb = slots.open(context, b).slot, sc = slots.open(context, c).slot;
   const int sd = slots.open(context, d).slot;
   std::vector<float> la(size_t(V), std::nanf("")), lb(size_t(V), std::nanf("")), lc(size_t(V), std::nanf(""));
+  std::vector<float> ld(size_t(V), std::nanf(""));
   int32_t drawn = -1;
   SequenceSlots::Sample greedy;
   greedy.options.temperature = 0.0f;
   greedy.token = &drawn;
-  std::vector<float> ld(size_t(V), std::nanf(""));
   std::vector<SequenceSlots::Job> jobs(4);
   jobs[0].slot = sa, jobs[0].tokens = a, jobs[0].logits = la.data();
   jobs[1].slot = sb, jobs[1].tokens = {b.data(), 40};
