@@ -148,8 +148,8 @@ Run add_serve(CLI::App& app) {
                  "model, its most; else 64, and the GPU's decode step runs at most 64; 0: the default)");
   app.add_option("--step-tokens", o->step_tokens,
                  "Prompt tokens per step over all sequences, the earliest request's first (default: the prefill "
-                 "chunk, at least 256; 0: the default): bounds the time between the running streams' tokens while prompts are "
-                 "prefilled");
+                 "chunk, at least 256; 0: the default): bounds the time between the running streams' tokens "
+                 "while prompts are prefilled");
   app.add_option("--context", o->context, "Most positions per sequence (default: the model's, at most 8192)");
   app.add_option("--kv-tokens", o->kv_tokens,
                  "KV cache positions shared by all sequences (default: on the GPU max batch x context, or what fits "

@@ -143,7 +143,7 @@ void GpuSlots::run(std::span<const Job> jobs) {
   // prefill has logits only).
   auto gemm_tokens = [&](const Job& j) {
     const int n = int(j.tokens.size());
-    if (!gemm_prompt_[size_t(j.slot)] || gemm_failed_ || j.all_logits) return 0;
+    if (gemm_chunk_ == 0 || !gemm_prompt_[size_t(j.slot)] || j.all_logits) return 0;
     return on_gpu(j) ? n - 1 : n;
   };
   for (const Job* j : prefill)
@@ -151,7 +151,7 @@ void GpuSlots::run(std::span<const Job> jobs) {
       try {
         model_.each_rank([&](int) { gemm_ = std::make_unique<GemmPrefill>(model_.part(0), *prefill_[0], gemm_chunk_); });
       } catch (const std::exception& e) {
-        gemm_failed_ = true;
+        gemm_chunk_ = 0;  // from the next step on, chunks of 64 (max_chunk)
         cudaGetLastError();  // an allocation that failed leaves its error behind
         std::fprintf(stderr, "kestrel: prompts prefill on the decode step's chunks: the GEMM prefill's scratch did not fit (%s)\n",
                      e.what());

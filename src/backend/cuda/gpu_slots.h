@@ -2,8 +2,8 @@
 // decoder; a step runs one token for every slot that decodes as one CUDA graph replay (per GPU
 // when split), and a chunk of prompt tokens for every slot that prefills, in the slot's blocks:
 // through the GEMM prefill (prefill_gemm.h) where the model takes it and the prompt has
-// kGemmMinPrompt tokens or more, else on a one-sequence decoder per GPU, 64 at a time. A job that offers to sample with options the GPU can
-// apply (no penalties) gets its token drawn inside the graph (sample.h) and copied back (4
+// kGemmMinPrompt tokens or more, else on a one-sequence decoder per GPU, 64 at a time. A job
+// that offers to sample with options the GPU can apply (no penalties) gets its token drawn inside the graph (sample.h) and copied back (4
 // bytes); the others get their logits copied back for the host's samplers, and a verification
 // (speculative decoding) every row's.
 // The KV cache is one pool of blocks of 16 positions per GPU that the slots share: a sequence
@@ -53,7 +53,7 @@ class GpuSlots final : public SequenceSlots {
   static constexpr int kGemmMinPrompt = 256;
   // Tokens per slot and step: the GEMM prefill's chunk where it takes the model, else 64.
   int64_t max_chunk() const override { return gemm_chunk_ > 0 ? gemm_chunk_ : kPrefillChunk; }
-  // Whether prompts go through the GEMM prefill (one GPU, a model it takes).
+  // Whether long prompts go through the GEMM prefill (one GPU, a model it takes, its scratch fits).
   bool gemm_prefill() const { return gemm_chunk_ > 0; }
   Opened open(int64_t positions, std::span<const int32_t> prompt) override;
   void close(int slot) override { tables_.close(slot); }
@@ -79,10 +79,9 @@ class GpuSlots final : public SequenceSlots {
   KvBlockTables tables_;
   std::vector<std::unique_ptr<Decoder>> decs_;     // per rank: the batched step over every slot
   std::vector<std::unique_ptr<Decoder>> prefill_;  // per rank: one slot's prompt, in the slot's blocks
-  int gemm_chunk_ = 0;                 // the GEMM prefill's chunk where it takes the model, else 0
-  std::vector<char> gemm_prompt_;      // per slot: its prompt prefills through the GEMM prefill
+  int gemm_chunk_ = 0;                 // the GEMM prefill's chunk where it takes the model (and fits), else 0
+  std::vector<char> gemm_prompt_;      // per slot: its prompt is long enough for the GEMM prefill
   std::unique_ptr<GemmPrefill> gemm_;  // made on the first chunk it runs, into prefill_[0]'s cache
-  bool gemm_failed_ = false;           // its scratch did not fit: prompts stay on the decoder
   std::vector<int32_t> pos_;  // next position of each slot
   std::vector<PrefixChain> chains_;  // per slot
   float* logits_ = nullptr;   // pinned [slots, vocab]

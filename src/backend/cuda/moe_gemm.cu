@@ -1,9 +1,9 @@
 // The grouped GEMM of the GEMM prefill's experts (moe_gemm.h; measured in docs/PERF.md v39-v40,
 // where it was lab/moe_gemm's variant v3: two tile shapes, activations in the MMA order) with
 // row tiles per part (a tile never straddles gate and up, and `out` need not be a multiple of
-// the tile), inputs a multiple of 32 rather than 64 (the last 64-wide chunk may be
-// half full; its missing half is zeros in shared memory), and BF16 experts beside NVFP4 ones
-// (their weights copied to shared memory as they are and permuted into the same k-slots).
+// the tile), inputs a multiple of 32 rather than 64 (the last 64-wide chunk may be half full;
+// its missing half is zeros in shared memory), and BF16 experts beside NVFP4 ones (their
+// weights copied to shared memory as they are and permuted into the same k-slots).
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 with BF16), lane = 4 g + t:
 //   A (16 x 16, row): a0a1 row g, k 2t, 2t+1; a2a3 row g+8, same k; a4a5 row g, k 2t+8, 2t+9;
